@@ -1,0 +1,107 @@
+"""Per-step diagnostics every estimator reports, named `cause/metric/stat`.
+
+Raw ratios, before any truncation, per cause:
+    numerical/is_weight/{mean,max,second_moment}   rho = pi_old / mu
+    staleness/ratio/{mean,max,second_moment}       r = pi_theta / pi_old
+    total/is_weight/{mean,max,second_moment}       pi_theta / mu
+    {numerical,staleness,total}/ess/{token,seq}    normalised ESS (tether.estimators.ess)
+What the estimator applied:
+    correction/weight/{mean,max,second_moment}    w_mm over valid tokens
+    correction/weight/adv_second_moment           E[w^2 A^2] / E[A^2] (1 uncorrected)
+    correction/frac_truncated, correction/frac_masked
+    objective/frac_clipped                        tokens whose gradient the objective cut
+    objective/coef/{mean,max}                     the objective's own weight on the score
+    loss/total, loss/objective, loss/centering
+    centering/rho_tail/mean, centering/head_mass/rollout   (centering estimators only)
+Everything stays a tensor until `to_floats`, which syncs once.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tether.estimators.base import CorrectionTerms, ObjectiveTerms, clamp_log_ratio
+from tether.estimators.ess import ess_from_log
+
+_CAUSES = (("numerical", "is_weight"), ("staleness", "ratio"), ("total", "is_weight"))
+
+
+def masked_stats(values: torch.Tensor, maskf: torch.Tensor, n: torch.Tensor) -> torch.Tensor:
+    """(mean, max, second moment) over valid tokens of values (..., B, T); shape (..., 3)."""
+    flat = (values * maskf).flatten(-2)
+    mean = flat.sum(dim=-1) / n
+    second = (flat * flat).sum(dim=-1) / n
+    peak = torch.where(maskf.bool(), values, torch.zeros_like(values)).flatten(-2).amax(dim=-1)
+    return torch.stack([mean, peak, second], dim=-1)
+
+
+def ratio_metrics(
+    log_rho: torch.Tensor, log_r: torch.Tensor, mask: torch.Tensor
+) -> dict[str, torch.Tensor]:
+    """Raw-ratio statistics and ESS for the three causes; inputs (B, T), detached."""
+    log_ratios = torch.stack([log_rho, log_r, log_rho + log_r])  # (3, B, T)
+    maskf = mask.to(log_rho.dtype)
+    n = maskf.sum().clamp(min=1.0)
+    stats = masked_stats(clamp_log_ratio(log_ratios).exp(), maskf, n)  # (3, 3)
+    ess_tok = ess_from_log(log_ratios.flatten(-2), mask.flatten().expand(3, -1))  # (3,)
+    ess_seq = ess_from_log((log_ratios * maskf).sum(dim=-1), mask.any(dim=-1).expand(3, -1))
+    out: dict[str, torch.Tensor] = {}
+    for i, (cause, name) in enumerate(_CAUSES):
+        for j, stat in enumerate(("mean", "max", "second_moment")):
+            out[f"{cause}/{name}/{stat}"] = stats[i, j]
+        out[f"{cause}/ess/token"] = ess_tok[i]
+        out[f"{cause}/ess/seq"] = ess_seq[i]
+    return out
+
+
+def applied_metrics(
+    log_rho: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    corr: CorrectionTerms,
+    obj: ObjectiveTerms,
+) -> dict[str, torch.Tensor]:
+    """What the correction and the objective did to the valid tokens; inputs (B, T)."""
+    maskf = mask.to(advantages.dtype)
+    n = maskf.sum().clamp(min=1.0)
+    a2 = advantages.square() * maskf
+    rho = clamp_log_ratio(log_rho).exp()
+    corr_stats = masked_stats(corr.weight, maskf, n)
+    coef_stats = masked_stats(obj.coef, maskf, n)
+    return {
+        "numerical/is_weight/adv_second_moment": _adv_second_moment(rho, a2),
+        "correction/weight/mean": corr_stats[0],
+        "correction/weight/max": corr_stats[1],
+        "correction/weight/second_moment": corr_stats[2],
+        "correction/weight/adv_second_moment": _adv_second_moment(corr.weight, a2),
+        "correction/frac_truncated": corr.truncated.sum() / n,
+        "correction/frac_masked": corr.masked.sum() / n,
+        "objective/frac_clipped": obj.clipped.sum() / n,
+        "objective/coef/mean": coef_stats[0],
+        "objective/coef/max": coef_stats[1],
+    }
+
+
+def _adv_second_moment(weight: torch.Tensor, a2: torch.Tensor) -> torch.Tensor:
+    """E[w^2 A^2] / E[A^2] over valid tokens (a2 = A^2, 0 where masked); 1 if all A = 0."""
+    den = a2.sum()
+    num = (weight.square() * a2).sum()
+    return torch.where(den > 0, num / den.clamp(min=torch.finfo(den.dtype).tiny), 1.0)
+
+
+def centering_metrics(
+    rho_tail: torch.Tensor, head_mu: torch.Tensor, mask: torch.Tensor
+) -> dict[str, torch.Tensor]:
+    """Mean tail ratio and mean mass of mu on the head, over valid tokens."""
+    maskf = mask.to(rho_tail.dtype)
+    n = maskf.sum().clamp(min=1.0)
+    return {
+        "centering/rho_tail/mean": (rho_tail * maskf).sum() / n,
+        "centering/head_mass/rollout": (head_mu * maskf).sum() / n,
+    }
+
+
+def to_floats(metrics: dict[str, torch.Tensor]) -> dict[str, float]:
+    """One device sync for the whole dict."""
+    values = torch.stack([v.detach().to(torch.float64).reshape(()) for v in metrics.values()])
+    return dict(zip(metrics, values.tolist(), strict=True))

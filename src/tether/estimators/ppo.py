@@ -1,0 +1,89 @@
+"""`ppo` (GRPO's clipped surrogate) and `decoupled` (AReaL's decoupled PPO).
+
+ppo:
+    r_t = pi_theta(y_t) / pi_old(y_t)
+    l_t = -min(r_t A_t, clip(r_t, 1 - eps_lo, 1 + eps_hi) A_t),  eps = (0.2, 0.28)
+Source: Schulman et al. 2017 (PPO, eq. 7); GRPO (Shao et al. 2024, eq. 3) with DAPO's
+clip-higher eps_hi = 0.28 (Yu et al. 2025). Corrects: staleness, as a trust region
+rather than a reweighting: biased (clipped tokens drop out, the rest use r), bounded
+variance. Gradient: -r A grad log pi where unclipped, 0 where clipped.
+
+decoupled:
+    l_t = -sg(min(pi_prox / mu, C)) min(r'_t A_t, clip(r'_t, 1 - eps_lo, 1 + eps_hi) A_t)
+    r'_t = pi_theta / pi_prox,  eps = (0.2, 0.2),  C = 5
+Source: Fu et al., "AReaL" (2025), the decoupled PPO objective. pi_prox is the
+trainer at the weights this step started from (defaults to pi_old). Corrects: both
+(pi_prox / mu spans the numerics and the versions between generator and step start).
+Departure: AReaL drops tokens whose behaviour weight exceeds the cap; DESIGN.md
+truncates them to the cap instead, as here. Shapes (B, T).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tether.estimators.base import ObjectiveTerms, clamp_log_ratio
+from tether.estimators.registry import OBJECTIVES
+
+
+def clipped_surrogate(
+    log_ratio: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    clip_low: float,
+    clip_high: float,
+) -> ObjectiveTerms:
+    """PPO's pessimistic clipped surrogate for a log-ratio that carries the gradient."""
+    ratio = clamp_log_ratio(log_ratio).exp()  # (B, T)
+    clipped_ratio = ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
+    loss = torch.maximum(-advantages * ratio, -advantages * clipped_ratio)
+    r = ratio.detach()
+    # The max picks the clipped branch (zero gradient) exactly in these two cases.
+    clipped = ((advantages > 0) & (r > 1.0 + clip_high)) | ((advantages < 0) & (r < 1.0 - clip_low))
+    coef = torch.where(clipped, torch.zeros_like(r), r)
+    return ObjectiveTerms(loss=loss, coef=coef, clipped=clipped & mask)
+
+
+@OBJECTIVES.register(
+    "ppo",
+    corrects="staleness",
+    level="token",
+    formula="-min(r A, clip(r, 1-eps_lo, 1+eps_hi) A)",
+    source="PPO (Schulman 2017, eq. 7); GRPO (Shao 2024); clip-higher from DAPO",
+)
+def ppo(
+    logp: torch.Tensor,
+    logp_old: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    clip_low: float = 0.2,
+    clip_high: float = 0.28,
+) -> ObjectiveTerms:
+    return clipped_surrogate(logp - logp_old, advantages, mask, clip_low, clip_high)
+
+
+@OBJECTIVES.register(
+    "decoupled",
+    corrects="both",
+    level="token",
+    formula="-sg(min(pi_prox/mu, C)) min(r' A, clip(r', 1-eps, 1+eps) A), r' = pi/pi_prox",
+    source="AReaL (Fu et al. 2025), decoupled PPO",
+    includes_mismatch=True,
+)
+def decoupled(
+    logp: torch.Tensor,
+    logp_prox: torch.Tensor,
+    logp_rollout: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    clip_low: float = 0.2,
+    clip_high: float = 0.2,
+    cap: float = 5.0,
+) -> ObjectiveTerms:
+    behaviour = clamp_log_ratio(logp_prox - logp_rollout).exp().clamp(max=cap)  # (B, T)
+    terms = clipped_surrogate(logp - logp_prox, advantages, mask, clip_low, clip_high)
+    return ObjectiveTerms(
+        loss=behaviour * terms.loss, coef=behaviour * terms.coef, clipped=terms.clipped
+    )

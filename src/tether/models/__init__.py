@@ -1,0 +1,93 @@
+"""Models: tether's own tiny Qwen3 (dense or MoE) with a character tokenizer, or any local HF dir."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+)
+
+from tether.models.tiny import build_tiny_model
+from tether.models.tokenizer import build_char_tokenizer
+from tether.models.warmstart import warm_start
+
+# Bump when the recipe of the default model changes, so stale caches are not reused.
+RECIPE_VERSION = 1
+
+
+def default_model_dir(cache_dir: str, moe: bool, seed: int, warmstart_steps: int, task_key: dict) -> Path:
+    key = json.dumps({"v": RECIPE_VERSION, "moe": moe, "seed": seed, "steps": warmstart_steps,
+                      "task": task_key}, sort_keys=True)
+    digest = hashlib.sha256(key.encode()).hexdigest()[:12]
+    kind = "moe" if moe else "dense"
+    return Path(os.path.expanduser(cache_dir)) / f"tiny-{kind}-{digest}"
+
+
+def ensure_default_model(
+    cache_dir: str, moe: bool = False, seed: int = 0, warmstart_steps: int = 200,
+    task_kwargs: dict | None = None, verbose: bool = True,
+) -> Path:
+    """Build and warm-start tether's tiny model unless cached; return its HF directory.
+
+    The directory loads with AutoModelForCausalLM / AutoTokenizer. It is written to a
+    temporary directory and renamed into place, so a killed build leaves no half model.
+    """
+    from tether.tasks.countdown import ALPHABET, CountdownTask
+
+    task_kwargs = dict(task_kwargs or {})
+    out = default_model_dir(cache_dir, moe, seed, warmstart_steps, task_kwargs)
+    if (out / "config.json").is_file():
+        return out
+    tokenizer = build_char_tokenizer(ALPHABET)
+    model = build_tiny_model(len(tokenizer), moe=moe, seed=seed)
+    task = CountdownTask(**{**task_kwargs, "seed": seed})
+    if verbose:
+        print(f"building tether's tiny {'MoE' if moe else 'dense'} model: "
+              f"{warmstart_steps} warm-start steps -> {out}")
+    warm_start(model, tokenizer, task, warmstart_steps, seed=seed,
+               log_every=max(1, warmstart_steps // 5) if verbose else 0)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=".building-"))
+    model.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    try:
+        tmp.rename(out)
+    except OSError:  # another process finished the same build first
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+def load_model(path: str | Path) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """Load a local HF causal LM and its tokenizer in fp32; clear errors for a wrong directory."""
+    p = Path(path).expanduser()
+    if not (p / "config.json").is_file():
+        raise ValueError(f"model.path={p}: not a Hugging Face model directory (no config.json)")
+    config = AutoConfig.from_pretrained(p, local_files_only=True)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(
+            p, local_files_only=True, dtype="float32", attn_implementation="sdpa"
+        )
+    except ValueError as e:
+        raise ValueError(f"model.path={p}: {type(config).__name__} is not a causal LM ({e})") from None
+    tokenizer = AutoTokenizer.from_pretrained(p, local_files_only=True)
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    if len(tokenizer) > model.get_input_embeddings().num_embeddings:
+        raise ValueError(
+            f"model.path={p}: tokenizer has {len(tokenizer)} tokens but the model's embedding "
+            f"has {model.get_input_embeddings().num_embeddings}: they do not belong together"
+        )
+    return model, tokenizer
+
+
+__all__ = ["build_char_tokenizer", "build_tiny_model", "ensure_default_model", "load_model", "warm_start"]

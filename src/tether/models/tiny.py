@@ -1,0 +1,57 @@
+"""tether's own tiny models: a dense Qwen3 and a Qwen3-MoE, built from transformers' classes.
+
+The sizes follow DESIGN.md section 7: hidden 192, 4 layers, about 2.4 M parameters for
+the dense model. head_dim is 64 so the model also loads in vLLM's CPU attention kernels.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import (
+    PretrainedConfig,
+    PreTrainedModel,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+    Qwen3MoeConfig,
+    Qwen3MoeForCausalLM,
+)
+
+MAX_POSITIONS = 128
+
+
+def tiny_config(vocab_size: int = 21, moe: bool = False) -> PretrainedConfig:
+    """The architecture of the default model (dense Qwen3, or Qwen3-MoE with 4 experts, top 2)."""
+    common = {
+        "vocab_size": vocab_size,
+        "hidden_size": 192,
+        "num_hidden_layers": 4,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 64,
+        "max_position_embeddings": MAX_POSITIONS,
+        "rope_theta": 10000.0,
+        "tie_word_embeddings": True,
+        "pad_token_id": 0,
+        "eos_token_id": 1,
+        "bos_token_id": 1,
+    }
+    if moe:
+        return Qwen3MoeConfig(
+            intermediate_size=768,
+            moe_intermediate_size=256,
+            num_experts=4,
+            num_experts_per_tok=2,
+            decoder_sparse_step=1,
+            norm_topk_prob=True,
+            **common,
+        )
+    return Qwen3Config(intermediate_size=768, **common)
+
+
+def build_tiny_model(vocab_size: int = 21, moe: bool = False, seed: int = 0) -> PreTrainedModel:
+    """A freshly initialised tiny model, deterministic for `seed`, in fp32."""
+    torch.manual_seed(seed)
+    config = tiny_config(vocab_size, moe)
+    config._attn_implementation = "sdpa"
+    model_cls = Qwen3MoeForCausalLM if moe else Qwen3ForCausalLM
+    return model_cls(config).float()

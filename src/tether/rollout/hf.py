@@ -1,0 +1,146 @@
+"""The Hugging Face rollout engine: batched sampling with a KV cache, exact log-probs.
+
+The engine holds its own copy of the weights, cast to the generator's numerics
+(`tether.rollout.numerics`), so the trainer's fp32 model and the generator can
+disagree exactly as a bf16 or fp8 inference engine would. Each sampled token's
+log-prob is taken from the processed distribution it was drawn from: logits / T,
+then top-k, then top-p, then renormalised (`process_logits`).
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+from transformers import DynamicCache, PreTrainedModel
+
+from tether.rollout.numerics import apply_numerics
+from tether.rollout.types import Rollout, SamplingParams
+
+
+def process_logits(logits: torch.Tensor, temperature: float, top_k: int, top_p: float) -> torch.Tensor:
+    """Log-probs of the distribution actually sampled from: (..., V) logits -> (..., V) log-probs.
+
+    Tokens removed by top-k or top-p get -inf. The same function scores `logp_old` and
+    `logp` in the trainer, so with equal weights and numerics all three agree exactly.
+    """
+    logits = logits.float()
+    if temperature > 0:
+        logits = logits / temperature
+    if top_k > 0 and top_k < logits.shape[-1]:
+        kth = torch.topk(logits, top_k, dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
+        probs = torch.softmax(sorted_logits, dim=-1)
+        # Keep a token if the mass strictly before it is < top_p: the smallest nucleus.
+        drop_sorted = (probs.cumsum(-1) - probs) >= top_p
+        drop = drop_sorted.scatter(-1, order, drop_sorted)
+        logits = logits.masked_fill(drop, float("-inf"))
+    return torch.log_softmax(logits, dim=-1)
+
+
+class HFGenerator:
+    """Generator protocol over a transformers causal LM (the default engine)."""
+
+    engine = "hf"
+
+    def __init__(self, model: PreTrainedModel, eos_id: int, pad_id: int, precision: str = "fp32"):
+        self.model = copy.deepcopy(model).eval()
+        self.eos_id, self.pad_id = eos_id, pad_id
+        self.precision = precision
+        self.version = 0
+        self.load_weights(model.state_dict(), version=0)
+
+    def load_weights(self, state_dict: dict[str, torch.Tensor], version: int) -> None:
+        apply_numerics(self.model, state_dict, self.precision)
+        self.version = version
+
+    @torch.no_grad()
+    def generate(
+        self, prompts: list[list[int]], prompt_ids: list[str], sampling: SamplingParams, seed: int
+    ) -> list[Rollout]:
+        g = torch.Generator().manual_seed(seed)
+        n = sampling.n
+        rows = [p for p in prompts for _ in range(n)]  # prompt-major: group members adjacent
+        out = sample_tokens(self.model, rows, sampling, g, self.eos_id, self.pad_id)
+        rollouts = []
+        for i, (ids, logps, topk_ids, topk_logp, finish) in enumerate(out):
+            rollouts.append(
+                Rollout(
+                    prompt_id=prompt_ids[i // n],
+                    group_id=i // n,
+                    prompt_ids=list(rows[i]),
+                    response_ids=ids,
+                    logp_rollout=logps,
+                    version=self.version,
+                    engine=self.engine,
+                    precision=self.precision,
+                    finish_reason=finish,
+                    topk_ids=topk_ids,
+                    topk_logp=topk_logp,
+                )
+            )
+        return rollouts
+
+
+def sample_tokens(
+    model: PreTrainedModel,
+    prompts: list[list[int]],
+    sampling: SamplingParams,
+    g: torch.Generator | None,
+    eos_id: int,
+    pad_id: int,
+) -> list[tuple[list[int], list[float], list[list[int]] | None, list[list[float]] | None, str]]:
+    """Sample one continuation per prompt (temperature 0: greedy), batched, with a KV cache.
+
+    Prompts are left-padded so every row's next token sits in the last column.
+    Returns per row: token ids, their log-probs, optional top-K ids and log-probs,
+    and the finish reason.
+    """
+    B = len(prompts)
+    L = max(len(p) for p in prompts)
+    input_ids = torch.full((B, L), pad_id, dtype=torch.long)
+    attn = torch.zeros((B, L), dtype=torch.long)
+    for i, p in enumerate(prompts):
+        input_ids[i, L - len(p):] = torch.tensor(p)
+        attn[i, L - len(p):] = 1
+    cache = DynamicCache()
+    done = torch.zeros(B, dtype=torch.bool)
+    tokens, logps, tk_ids, tk_logp = [], [], [], []
+    step_ids, _step_attn = input_ids, attn
+    for _ in range(sampling.max_new_tokens):
+        position_ids = (attn.cumsum(-1) - 1).clamp(min=0)[:, -step_ids.shape[1]:]
+        logits = model(
+            input_ids=step_ids, attention_mask=attn, position_ids=position_ids,
+            past_key_values=cache, use_cache=True,
+        ).logits[:, -1, :]  # (B, V)
+        logp_all = process_logits(logits, sampling.temperature, sampling.top_k, sampling.top_p)
+        if sampling.temperature > 0:
+            nxt = torch.multinomial(logp_all.exp(), 1, generator=g).squeeze(-1)
+        else:
+            nxt = logits.argmax(-1)
+        nxt = torch.where(done, torch.full_like(nxt, pad_id), nxt)
+        tokens.append(nxt)
+        logps.append(logp_all.gather(-1, nxt[:, None]).squeeze(-1))
+        if sampling.logprobs_topk > 0:
+            v, ix = torch.topk(logp_all, sampling.logprobs_topk, dim=-1)
+            tk_ids.append(ix)
+            tk_logp.append(v)
+        alive = ~done
+        done = done | (nxt == eos_id)
+        step_ids = nxt[:, None]
+        attn = torch.cat([attn, alive.long()[:, None]], dim=1)
+        if bool(done.all()):
+            break
+    toks = torch.stack(tokens, 1)  # (B, T)
+    lps = torch.stack(logps, 1)
+    results = []
+    for i in range(B):
+        row = toks[i].tolist()
+        n = row.index(eos_id) + 1 if eos_id in row else len(row)
+        finish = "stop" if eos_id in row else "length"
+        ids = [tk_ids_i[i].tolist() for tk_ids_i in tk_ids[:n]] if tk_ids else None
+        lp = [tk_logp_i[i].tolist() for tk_logp_i in tk_logp[:n]] if tk_logp else None
+        results.append((row[:n], lps[i, :n].tolist(), ids, lp, finish))
+    return results

@@ -1,0 +1,291 @@
+"""Countdown: reach a target with + - * / and parentheses, using each given number at most once.
+
+Prompt and response use only the character tokenizer's alphabet (`ALPHABET`):
+
+    prompt   "3,7,9:42="      numbers, a colon, the target, "="
+    response "(9-3)*7"        an expression; the model then emits eos
+
+Generation. Numbers are drawn uniformly (with repetition) from [num_min, num_max].
+Every integer value reachable by + - * over any sub-multiset of them is enumerated
+(exact: intermediates may be negative or large); the target is drawn uniformly among
+those in [target_min, target_max], so every problem is solvable, and the draw is
+repeated when none is. The reference solution is a short expression for the target
+(each sub-result keeps its shortest spelling; ties go alphabetically), printed with the
+fewest parentheses, so it is a pure function of (numbers, target). Solutions never use "/", but the
+reward accepts it (exact fractions: "7/2*2" is 7).
+
+Streams. The held-out set comes from its own random stream and holds `eval_size`
+distinct (sorted numbers, target) keys. Training problem i is drawn from a stream
+seeded by (seed, i) alone, so it can be produced in any order, and a draw whose key
+is in the held-out set is skipped.
+
+Reward. 1 if the stripped response parses (see `tether.tasks.expr`: no spaces, no
+unary minus, no trailing "="), uses only given numbers, each at most as often as
+given, and equals the target. Otherwise `format_weight` if it parses and uses only
+given numbers, else 0; so the total never exceeds 1.
+"""
+
+from __future__ import annotations
+
+import random
+from collections import Counter
+
+from tether.tasks.base import Problem, Reward
+from tether.tasks.expr import ExprFailure, ExprLimits, evaluate
+
+ALPHABET = "0123456789+-*/()=,:"
+"""Every character a Countdown prompt or solution may contain (plus the tokenizer's pad, eos)."""
+
+MAX_NUMBERS = 5
+"""Largest num_numbers: the reachable-value enumeration grows super-exponentially
+(per draw: 0.07 ms at 3 numbers, 0.5 ms at 4, 8 ms at 5, 0.1-0.5 s at 6)."""
+
+MAX_DRAWS = 1000
+"""Draws of numbers tried for one problem before the ranges are declared impossible."""
+
+# Precedence of an expression's top operator, for printing with minimal parentheses.
+_ATOM, _PRODUCT, _SUM = 3, 2, 1
+
+
+def _join(left: tuple[str, int], op: str, right: tuple[str, int]) -> tuple[str, int]:
+    """Print `left op right` for op in + - *, adding only the parentheses needed.
+
+    A sum needs parentheses as either operand of "*" and as the right operand of "-";
+    products and atoms never do ("a*(b*c)" prints as "a*b*c").
+    """
+    left_text, left_prec = left
+    right_text, right_prec = right
+    if op == "*":
+        if left_prec == _SUM:
+            left_text = f"({left_text})"
+        if right_prec == _SUM:
+            right_text = f"({right_text})"
+        return f"{left_text}*{right_text}", _PRODUCT
+    if op == "-" and right_prec == _SUM:
+        right_text = f"({right_text})"
+    return f"{left_text}{op}{right_text}", _SUM
+
+
+def _shorter(found: dict[int, tuple[str, int]], value: int, expr: tuple[str, int]) -> None:
+    """Keep `expr` for `value` if it is the first, or shorter (then alphabetically first)."""
+    old = found.get(value)
+    if old is None or (len(expr[0]), expr[0]) < (len(old[0]), old[0]):
+        found[value] = expr
+
+
+def reachable(numbers: tuple[int, ...]) -> dict[int, str]:
+    """Every integer reachable by + - * over sub-multisets of `numbers`, with one expression each.
+
+    Dynamic programming over bitmasks of positions: the values of a set are the values
+    of every split into two non-empty halves, combined by a+b, a-b, b-a, a*b. Each value
+    keeps its shortest expression (ties: alphabetical), so the result is a pure function
+    of the multiset (pass it sorted).
+    """
+    count = len(numbers)
+    by_mask: list[dict[int, tuple[str, int]]] = [{} for _ in range(1 << count)]
+    for i, number in enumerate(numbers):
+        by_mask[1 << i][number] = (str(number), _ATOM)
+    for mask in range(1, 1 << count):
+        if mask & (mask - 1) == 0:
+            continue  # a single number, seeded above
+        found = by_mask[mask]
+        part = (mask - 1) & mask
+        while part:  # every non-empty proper subset of mask, each split seen once
+            rest = mask ^ part
+            if part < rest:
+                for a, a_expr in by_mask[part].items():
+                    for b, b_expr in by_mask[rest].items():
+                        _shorter(found, a + b, _join(a_expr, "+", b_expr))
+                        _shorter(found, a - b, _join(a_expr, "-", b_expr))
+                        _shorter(found, b - a, _join(b_expr, "-", a_expr))
+                        _shorter(found, a * b, _join(a_expr, "*", b_expr))
+            part = (part - 1) & mask
+    best: dict[int, tuple[str, int]] = {}
+    for found in by_mask[1:]:
+        for value, expr in found.items():
+            _shorter(best, value, expr)
+    return {value: expr[0] for value, expr in best.items()}
+
+
+def solve(numbers: tuple[int, ...] | list[int], target: int) -> str | None:
+    """A short + - * expression over `numbers` (each at most once) equal to `target`, or None.
+
+    Searches + - * only, like the generator, so a target that needs "/" gives None.
+    """
+    return reachable(tuple(sorted(numbers))).get(target)
+
+
+def uses_given_numbers(literals: tuple[int, ...], numbers: tuple[int, ...]) -> bool:
+    """True if every literal is a given number, each used at most as often as given."""
+    return not Counter(literals) - Counter(numbers)
+
+
+class CountdownTask:
+    """Countdown problems from a seed, with an exact parse-only reward (see module docstring)."""
+
+    name = "countdown"
+
+    def __init__(
+        self,
+        num_numbers: int = 3,
+        num_min: int = 1,
+        num_max: int = 9,
+        target_min: int = 1,
+        target_max: int = 100,
+        seed: int = 0,
+        eval_size: int = 200,
+        format_weight: float = 0.0,
+        max_response_chars: int = 64,
+    ) -> None:
+        """Check the knobs, then build the held-out set (so impossible ranges fail here).
+
+        Args:
+            num_numbers: how many numbers each problem gives, 2..MAX_NUMBERS.
+            num_min, num_max: inclusive range the numbers are drawn from, num_min >= 0.
+            target_min, target_max: inclusive range of targets.
+            seed: picks the held-out set and the training stream.
+            eval_size: number of distinct held-out problems (0 for none).
+            format_weight: reward in [0, 1) for a parsing answer over the given numbers
+                that misses the target.
+            max_response_chars: longest response the reward parses (after stripping);
+                longer ones score 0.
+        """
+        if not isinstance(num_numbers, int) or not 2 <= num_numbers <= MAX_NUMBERS:
+            raise ValueError(
+                f"num_numbers must be an int in [2, {MAX_NUMBERS}], got {num_numbers!r}"
+            )
+        if num_min < 0:
+            raise ValueError(
+                f"num_min must be >= 0 (the parser has no negative literals), got {num_min}"
+            )
+        if num_max < num_min:
+            raise ValueError(f"num_max ({num_max}) must be >= num_min ({num_min})")
+        if target_max < target_min:
+            raise ValueError(f"target_max ({target_max}) must be >= target_min ({target_min})")
+        if eval_size < 0:
+            raise ValueError(f"eval_size must be >= 0, got {eval_size}")
+        if not 0.0 <= format_weight < 1.0:
+            raise ValueError(
+                f"format_weight must be in [0, 1) so a correct answer always scores more, "
+                f"got {format_weight}"
+            )
+        largest = _largest_reachable(num_numbers, num_max)
+        if target_min > largest or target_max < -largest:
+            raise ValueError(
+                f"target range [{target_min}, {target_max}] is impossible: {num_numbers} numbers "
+                f"in [{num_min}, {num_max}] reach at most |{largest}|"
+            )
+        # The longest + - * solution: every number at full width, n-1 operators and
+        # at most one pair of parentheses per operator.
+        digits = len(str(num_max))
+        longest_solution = num_numbers * digits + 3 * (num_numbers - 1)
+        if max_response_chars < longest_solution:
+            raise ValueError(
+                f"max_response_chars ({max_response_chars}) is below the longest possible "
+                f"solution ({longest_solution} characters); raise it"
+            )
+        self.num_numbers = num_numbers
+        self.num_min = num_min
+        self.num_max = num_max
+        self.target_min = target_min
+        self.target_max = target_max
+        self.seed = seed
+        self.format_weight = format_weight
+        # No + - * value exceeds (num_max + 1)^n; squaring it leaves room for answers
+        # through "/", whose numerators and denominators multiply.
+        self.limits = ExprLimits(
+            max_length=max_response_chars,
+            max_literal_digits=digits,
+            max_magnitude=max(10**12, (num_max + 1) ** (2 * num_numbers)),
+        )
+        self._eval = self._build_eval(eval_size)
+        self._eval_keys = frozenset(_key(p) for p in self._eval)
+
+    def _draw(self, rng: random.Random, problem_id: str) -> Problem:
+        """A problem with numbers and a reachable target in range, drawn from `rng`."""
+        for _ in range(MAX_DRAWS):
+            numbers = tuple(
+                rng.randint(self.num_min, self.num_max) for _ in range(self.num_numbers)
+            )
+            values = reachable(tuple(sorted(numbers)))
+            targets = sorted(v for v in values if self.target_min <= v <= self.target_max)
+            if targets:
+                target = rng.choice(targets)
+                return Problem(
+                    id=problem_id,
+                    prompt=f"{','.join(map(str, numbers))}:{target}=",
+                    solution=values[target],
+                    meta={"numbers": numbers, "target": target},
+                )
+        raise ValueError(
+            f"no draw of {self.num_numbers} numbers in [{self.num_min}, {self.num_max}] reached a "
+            f"target in [target_min, target_max] = [{self.target_min}, {self.target_max}] "
+            f"in {MAX_DRAWS} tries; widen the ranges"
+        )
+
+    def _build_eval(self, eval_size: int) -> list[Problem]:
+        rng = random.Random(f"countdown/{self.seed}/eval")
+        problems: list[Problem] = []
+        keys: set[tuple[tuple[int, ...], int]] = set()
+        draws = 0
+        while len(problems) < eval_size:
+            draws += 1
+            if draws > 20 * eval_size + MAX_DRAWS:
+                raise ValueError(
+                    f"eval_size={eval_size}: only {len(problems)} distinct problems found in "
+                    f"{draws - 1} draws; lower eval_size or widen the number/target ranges"
+                )
+            problem = self._draw(rng, f"countdown-eval-{len(problems)}")
+            if _key(problem) not in keys:
+                keys.add(_key(problem))
+                problems.append(problem)
+        return problems
+
+    def train_problem(self, index: int) -> Problem:
+        """The index-th training problem: drawn from a stream seeded by (seed, index) only."""
+        if index < 0:
+            raise ValueError(f"index must be >= 0, got {index}")
+        rng = random.Random(f"countdown/{self.seed}/train/{index}")
+        for _ in range(MAX_DRAWS):
+            problem = self._draw(rng, f"countdown-train-{index}")
+            if _key(problem) not in self._eval_keys:
+                return problem
+        raise ValueError(
+            f"training draws keep landing in the held-out set ({len(self._eval_keys)} problems); "
+            f"lower eval_size or widen the number/target ranges"
+        )
+
+    def eval_problems(self) -> list[Problem]:
+        """The held-out problems (a fresh list; the problems themselves are shared)."""
+        return list(self._eval)
+
+    def reward(self, problem: Problem, response: str) -> Reward:
+        """1 for a correct expression, `format_weight` for a well-formed miss, else 0."""
+        numbers, target = problem.meta["numbers"], problem.meta["target"]
+        parsed = evaluate(response.strip(), self.limits)
+        well_formed = not isinstance(parsed, ExprFailure) and uses_given_numbers(
+            parsed.literals, numbers
+        )
+        correct = well_formed and parsed.value == target
+        total = 1.0 if correct else (self.format_weight if well_formed else 0.0)
+        return Reward(total=total, parts={"correct": float(correct), "format": float(well_formed)})
+
+
+def _key(problem: Problem) -> tuple[tuple[int, ...], int]:
+    """Identity of a problem for held-out de-duplication: (sorted numbers, target)."""
+    return tuple(sorted(problem.meta["numbers"])), problem.meta["target"]
+
+
+def _largest_reachable(count: int, number: int) -> int:
+    """Bound on |value| of any + - * expression over `count` numbers in [0, number].
+
+    |a-b| <= a+b for a, b >= 0, so by induction no expression exceeds in magnitude its
+    copy with every "-" turned into "+"; that copy is monotone in its numbers, so the
+    bound is the best "+"/"*" tree over `count` copies of `number` (dynamic programming
+    over the number of leaves).
+    """
+    best = [0, number]
+    for leaves in range(2, count + 1):
+        splits = [(best[k], best[leaves - k]) for k in range(1, leaves)]
+        best.append(max(max(a + b, a * b) for a, b in splits))
+    return best[count]
