@@ -1,12 +1,16 @@
-"""The `tether` command: train, config, init-model, estimators.
+"""The `tether` command: train, config, init-model, estimators, inspect.
 
 Errors a user can fix (bad config, bad data, wrong model directory) print one message
-and exit with status 2, without a Python traceback.
+and exit with status 2, without a Python traceback (TETHER_DEBUG=1 shows it). A run
+stopped by its guard after `train.max_bad_steps` bad steps in a row exits with 3; one
+stopped by SIGINT/SIGTERM finishes its step, checkpoints and exits with 128 + signal.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
+import signal
 import sys
 
 from tether.config import ConfigError, describe_fields, dump_config, load_config
@@ -18,22 +22,54 @@ Settings come from a YAML file (--config) and/or dotted key=value overrides, e.g
   tether train --config configs/countdown.yaml train.lr=5e-4 rollout.precision=fp8
 
 Sections: model (which model; default is tether's own tiny Qwen3), task (countdown or
-numeric), rollout (engine, generator precision, sampling), train (steps, optimizer,
-estimator), sync (when the generator gets new weights), eval, run (directory, seed).
+numeric), reward (your own reward function, optional), rollout (engine, generator
+precision, sampling), train (steps, optimizer, estimator), sync (when the generator
+gets new weights), eval, run (directory, seed).
 `tether config --fields` lists every key with its default and meaning;
 `tether config --config FILE [key=value ...]` prints the resolved config.
-Writes RUN_DIR/config.yaml, RUN_DIR/metrics.jsonl (one row per step) and RUN_DIR/final
-(the trained model in Hugging Face safetensors format)."""
+Writes RUN_DIR/config.yaml, RUN_DIR/metrics.jsonl (one row per step), checkpoints in
+RUN_DIR/checkpoints (run.checkpoint_every) and RUN_DIR/final (the trained model in
+Hugging Face safetensors format).
+
+  tether train --resume RUN_DIR [train.steps=N ...]
+continues a stopped run from its last checkpoint with the config in RUN_DIR/config.yaml;
+only keys that do not change the trajectory may be overridden (e.g. train.steps to
+extend it). SIGINT/SIGTERM stop a run after the current step, with a checkpoint."""
+
+
+def _request_stop(signum: int, frame: object) -> None:
+    from tether.guards import STOP
+
+    STOP.request(signum)
+    signal.signal(signum, signal.SIG_DFL)  # a second signal stops at once
+    print(f"\ntether: {signal.Signals(signum).name}: stopping after this step with a "
+          f"checkpoint (send it again to stop now)", file=sys.stderr)
 
 
 def _cmd_train(args: argparse.Namespace) -> int:
+    from tether.checkpoint import resume_config
+    from tether.guards import STOP
     from tether.loop import train
 
-    cfg = load_config(args.config, args.overrides)
-    result = train(cfg)
+    if args.resume:
+        if args.config:
+            raise ConfigError("--resume takes the config from RUN_DIR/config.yaml; drop --config")
+        cfg = resume_config(args.resume, args.overrides)
+    else:
+        cfg = load_config(args.config, args.overrides)
+    previous = {s: signal.signal(s, _request_stop) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        result = train(cfg, resume=bool(args.resume))
+    finally:  # main() may run in-process (tests): leave the handlers as they were
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+        STOP.clear()
     print(f"run directory: {result.run_dir}")
-    print(f"held-out accuracy (greedy): before {result.accuracy_before:.3f} -> "
+    print(f"held-out accuracy, greedy:  before {result.accuracy_before:.3f} -> "
           f"after {result.accuracy_after:.3f}")
+    if result.sampled_before is not None:
+        print(f"held-out accuracy, sampled: before {result.sampled_before:.3f} -> "
+              f"after {result.sampled_after:.3f}  (rollout temperature, eval.samples per problem)")
     return 0
 
 
@@ -46,13 +82,29 @@ def _cmd_config(args: argparse.Namespace) -> int:
 
 
 def _cmd_init_model(args: argparse.Namespace) -> int:
-    from tether.models import ensure_default_model
+    from tether.loop import resolve_model_path
 
-    cfg = load_config(args.config, args.overrides)
-    task_kwargs = cfg.task.model_dump(exclude={"name", "seed", "eval_size", "format_weight"})
-    path = ensure_default_model(cfg.model.cache_dir, cfg.model.moe, cfg.model.seed,
-                                cfg.model.warmstart_steps, task_kwargs)
-    print(path)
+    print(resolve_model_path(load_config(args.config, args.overrides)))
+    return 0
+
+
+INSPECT_HELP = """\
+Summarise a run: which cause of the generator/trainer disagreement dominates over time
+(numerical: pi_old vs mu; staleness: pi_theta vs pi_old; k3 KL by window), when the
+staleness ESS fell below the re-sync threshold, when the generator received weights,
+snapshot memory, MoE routing disagreement and the current-model monitor when logged.
+Writes RUN_DIR/plots/decomposition.png, ess_sync.png and learning.png (or into --out).
+Metric names and formulas: docs/metrics.md."""
+
+
+def _cmd_inspect(args: argparse.Namespace) -> int:
+    from tether.inspect import inspect_run
+
+    text, paths = inspect_run(args.run_dir, args.out, plots=not args.no_plots, tau=args.tau,
+                              windows=args.windows)
+    print(text)
+    for path in paths:
+        print(f"plot: {path}")
     return 0
 
 
@@ -78,6 +130,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("train", help="Run RL training.", description=TRAIN_HELP,
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     with_config(p)
+    p.add_argument("--resume", metavar="RUN_DIR",
+                   help="Continue the run in RUN_DIR from its last checkpoint.")
     p.set_defaults(func=_cmd_train)
 
     p = sub.add_parser("config", help="Print the resolved config (or every key with --fields).",
@@ -96,16 +150,38 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("estimators", help="List the loss presets with formula and source.")
     p.set_defaults(func=_cmd_estimators)
+
+    p = sub.add_parser(
+        "inspect", help="Summarise a run's mismatch decomposition over time; write PNG plots.",
+        description=INSPECT_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("run_dir", metavar="RUN_DIR", help="A run directory (holds metrics.jsonl).")
+    p.add_argument("--out", metavar="DIR", help="Where to write the plots (default RUN_DIR/plots).")
+    p.add_argument("--no-plots", action="store_true", help="Print the summary only.")
+    p.add_argument("--tau", type=float, metavar="TAU",
+                   help="ESS threshold to report crossings of (default: the run's ess:TAU, else 0.5).")
+    p.add_argument("--windows", type=int, default=5, metavar="N",
+                   help="Split the run into N windows for the per-cause table (default 5).")
+    p.set_defaults(func=_cmd_inspect)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
+    from tether.guards import StopRequested, TooManyBadSteps
+
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except (ConfigError, ValueError, FileNotFoundError, ImportError) as e:
+    except (ConfigError, ValueError, OSError, ImportError) as e:
+        if os.environ.get("TETHER_DEBUG"):
+            raise
         print(f"tether {args.command}: error: {e}", file=sys.stderr)
         return 2
+    except TooManyBadSteps as e:
+        print(f"tether {args.command}: {e}", file=sys.stderr)
+        return 3
+    except StopRequested as e:
+        print(f"tether {args.command}: {e}", file=sys.stderr)
+        return 128 + e.signum
 
 
 if __name__ == "__main__":

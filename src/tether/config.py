@@ -6,11 +6,12 @@ A wrong key or value fails at load, before any work, with its dotted path in the
 
 from __future__ import annotations
 
+import difflib
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 
 class ConfigError(ValueError):
@@ -46,6 +47,12 @@ class CountdownTaskConfig(_Node):
     target_max: int = Field(100, description="Largest target.")
     seed: int = Field(0, description="Seed of the problem generator (train and held-out sets).")
     eval_size: int = Field(200, ge=1, description="Size of the fixed held-out evaluation set.")
+    use_all: bool = Field(
+        True, description="Targets need every number (the classic game); false: subsets suffice."
+    )
+    train_size: int = Field(
+        0, ge=0, description="Cycle through only the first N training problems (0: endless).",
+    )
     format_weight: float = Field(
         0.0, ge=0.0, le=1.0,
         description="Reward for a well-formed answer with allowed numbers that misses the target.",
@@ -108,15 +115,92 @@ class TrainConfig(_Node):
     adv_std_norm: bool = Field(
         True, description="Divide group-centred rewards by the group's std (GRPO); false: Dr. GRPO."
     )
+    max_bad_steps: int = Field(
+        5, ge=1,
+        description="Stop the run (with a checkpoint, exit code 3) after this many optimizer steps "
+        "in a row were skipped for a non-finite log-prob, advantage, loss or gradient norm.",
+    )
 
 
 class SyncConfig(_Node):
-    policy: str = Field("every:1", description="When the generator gets new weights: every:K.")
+    policy: str = Field(
+        "auto",
+        description="When the generator gets new weights: every:K (after every K-th step), "
+        "bounded:K (only when it would otherwise be more than K versions behind), "
+        "ess:TAU[:max=M] (every step, lagged, plus a re-sync to the current weights when the "
+        "token ESS of pi_theta/pi_old on the incoming batch falls below TAU; max=M: also after "
+        "M steps without one), auto (the estimator preset's: dlc -> ess:0.5, else every:1). "
+        "See docs/mismatch.md.",
+    )
+    lag: int = Field(
+        0, ge=0,
+        description="Staleness source: a delivery hands the generator the weights of `lag` "
+        "versions ago (DLC's stale generator; 0: the current ones). ESS re-syncs bypass it.",
+    )
+    on_trip: Literal["train", "regenerate"] = Field(
+        "train",
+        description="ess policy: what happens to the batch whose ESS tripped the re-sync: "
+        "train (train on it, the estimator caps its weights; re-sync after the step) or "
+        "regenerate (re-sync now, drop it, sample the same prompts again).",
+    )
+
+
+class DiagnosticsConfig(_Node):
+    monitor_every: int = Field(
+        10, ge=0,
+        description="Current-model monitor every M steps (0: off): sample from the trainer's "
+        "weights, score with the generator; KL and its share on rare tokens (monitor/*).",
+    )
+    monitor_prompts: int = Field(8, ge=1, description="Monitor: held-out prompts in the probe set.")
+    monitor_samples: int = Field(4, ge=1, description="Monitor: samples per probe prompt.")
+    rare_prob: float = Field(
+        0.05, gt=0.0, lt=1.0,
+        description="Monitor: a token is rare when the generator gives it probability below this.",
+    )
+    routing: bool = Field(
+        True, description="MoE models: measure routing disagreement every step (two no-grad forwards).",
+    )
+
+
+class LogConfig(_Node):
+    tensorboard: bool = Field(False, description="Also write metrics to TensorBoard (RUN_DIR/tb).")
+    wandb: bool = Field(False, description="Also write metrics to Weights & Biases (RUN_DIR/wandb).")
+    wandb_project: str = Field("tether", description="Weights & Biases project name.")
+    wandb_mode: Literal["offline", "online"] = Field(
+        "offline", description="offline: no network, `wandb sync RUN_DIR/wandb/offline-run-*` later.",
+    )
+
+
+class RewardConfig(_Node):
+    fn: str | None = Field(
+        None,
+        description="Your own reward instead of the task's: 'package.module:function' or "
+        "'path/to/file.py:function', called as fn(problem, response) -> float or Reward. "
+        "Held-out accuracy stays the task's. See docs/reliability.md.",
+    )
+    timeout: float = Field(
+        5.0, gt=0.0,
+        description="Seconds one call of reward.fn may take; a slower or failing call scores 0 "
+        "and is counted in reward/errors (the run goes on).",
+    )
+
+    @field_validator("fn")
+    @classmethod
+    def _spec(cls, fn: str | None) -> str | None:
+        if fn is not None:
+            module, sep, name = fn.rpartition(":")
+            if not sep or not module or not name.isidentifier():
+                raise ValueError("must be 'package.module:function' or 'path/to/file.py:function'")
+        return fn
 
 
 class EvalConfig(_Node):
     every: int = Field(10, ge=0, description="Greedy held-out accuracy every E steps (0: start and end only).")
     batch_size: int = Field(200, ge=1, description="Prompts per evaluation forward.")
+    samples: int = Field(
+        4, ge=0, description="Also held-out accuracy sampled like the rollouts: samples per "
+        "problem (0: greedy only).",
+    )
 
 
 class RunConfig(_Node):
@@ -124,14 +208,23 @@ class RunConfig(_Node):
     seed: int = Field(0, description="Seed of sampling and training.")
     threads: int = Field(0, ge=0, description="torch CPU threads (0: torch's default).")
     progress: bool = Field(True, description="Show a progress bar.")
+    checkpoint_every: int = Field(
+        10, ge=0,
+        description="Checkpoint (RUN_DIR/checkpoints) every K steps, and always after the last "
+        "step and before any stop (0: only then). `tether train --resume RUN_DIR` continues.",
+    )
+    keep_checkpoints: int = Field(2, ge=1, description="How many of the newest checkpoints to keep.")
 
 
 class Config(_Node):
     model: ModelConfig = ModelConfig()
     task: TaskConfig = CountdownTaskConfig()
+    reward: RewardConfig = RewardConfig()
     rollout: RolloutConfig = RolloutConfig()
     train: TrainConfig = TrainConfig()
     sync: SyncConfig = SyncConfig()
+    diagnostics: DiagnosticsConfig = DiagnosticsConfig()
+    log: LogConfig = LogConfig()
     eval: EvalConfig = EvalConfig()
     run: RunConfig = RunConfig()
 
@@ -183,6 +276,13 @@ def _parse_value(raw: str) -> Any:
     return value
 
 
+def _leaf_paths(tree: dict[str, Any], prefix: str = "") -> list[str]:
+    out = []
+    for k, v in tree.items():
+        out += _leaf_paths(v, f"{prefix}{k}.") if isinstance(v, dict) and v else [f"{prefix}{k}"]
+    return out
+
+
 def _merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
     out = dict(base)
     for k, v in extra.items():
@@ -190,56 +290,142 @@ def _merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _format_errors(err: ValidationError) -> str:
+def _format_errors(err: ValidationError, where: dict[str, str] | None = None) -> str:
+    """One line per error: dotted key, what is wrong, and `(FILE:LINE)` when it came from a file."""
     lines = []
     for e in err.errors():
         # Drop the union tag pydantic inserts ("task.countdown.x" -> "task.x").
         loc = [str(p) for p in e["loc"] if p not in ("countdown", "numeric")]
+        if e["type"] == "union_tag_invalid":
+            loc.append("name")
         path = ".".join(loc) or "(top level)"
+        at = next((f" ({w})" for k, w in (where or {}).items() if k == path or k.startswith(path + ".")), "")
         if e["type"] == "extra_forbidden":
-            lines.append(f"{path}: unknown key")
+            close = difflib.get_close_matches(loc[-1], _keys_at(loc[:-1]), n=1)
+            hint = f"; did you mean {'.'.join([*loc[:-1], close[0]])}?" if close else ""
+            lines.append(f"{path}: unknown key{at}{hint}")
         else:
             got = e.get("input")
             shown = "" if isinstance(got, dict) else f" (got {got!r})"
-            lines.append(f"{path}: {e['msg']}{shown}")
+            lines.append(f"{path}: {e['msg']}{shown}{at}")
     return "invalid config:\n  " + "\n  ".join(lines)
+
+
+def _keys_at(loc: list[str]) -> list[str]:
+    """Valid keys of the config section at `loc` (both task kinds for `task`)."""
+    nodes: list[type[BaseModel]] = [Config]
+    for key in loc:
+        nxt = []
+        for node in nodes:
+            field = node.model_fields.get(key)
+            if field is None:
+                continue
+            if key == "task" and node is Config:
+                nxt += [CountdownTaskConfig, NumericTaskConfig]
+            elif isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel):
+                nxt.append(field.annotation)
+        nodes = nxt
+    return sorted({k for node in nodes for k in node.model_fields})
+
+
+def _key_lines(text: str, source: str) -> dict[str, str]:
+    """Dotted key -> "FILE:LINE" for every key written in a YAML file (nodes only, nothing built)."""
+    out: dict[str, str] = {}
+
+    def walk(node: yaml.Node, prefix: str) -> None:
+        if isinstance(node, yaml.MappingNode):
+            for key_node, value_node in node.value:
+                key = f"{prefix}{key_node.value}"
+                out[key] = f"{source}:{key_node.start_mark.line + 1}"
+                walk(value_node, key + ".")
+
+    root = yaml.compose(text, Loader=yaml.SafeLoader)
+    if root is not None:
+        walk(root, "")
+    return out
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
     """Read YAML (optional), apply dotted overrides, validate; raise ConfigError naming the key."""
     tree: dict[str, Any] = {}
+    where: dict[str, str] = {}
     if path is not None:
         p = Path(path)
         if not p.is_file():
             raise ConfigError(f"config file {p} does not exist")
+        text = p.read_text()
         try:
-            tree = yaml.safe_load(p.read_text()) or {}
+            tree = yaml.safe_load(text) or {}
+            where = _key_lines(text, str(p))
+        except yaml.MarkedYAMLError as e:
+            mark = e.problem_mark or e.context_mark
+            at = f"{p}:{mark.line + 1}:{mark.column + 1}" if mark else str(p)
+            context = f" ({e.context} at line {e.context_mark.line + 1})" if e.context_mark and e.problem else ""
+            raise ConfigError(f"{at}: YAML syntax error: {e.problem or e.context}{context}") from None
         except yaml.YAMLError as e:
             raise ConfigError(f"config file {p} is not valid YAML: {e}") from None
         if not isinstance(tree, dict):
             raise ConfigError(f"config file {p} must hold a mapping at the top level")
-    tree = _merge(tree, parse_overrides(overrides or []))
+    extra = parse_overrides(overrides or [])
+    for key in _leaf_paths(extra):  # an override wins over the file: point at it instead
+        where[key] = "command line"
+    tree = _merge(tree, extra)
+    if isinstance(tree.get("task"), dict) and "name" not in tree["task"]:
+        tree["task"] = {"name": "countdown", **tree["task"]}  # the default task
     try:
         cfg = Config.model_validate(tree)
     except ValidationError as e:
-        raise ConfigError(_format_errors(e)) from None
+        raise ConfigError(_format_errors(e, where)) from None
     _check_registries(cfg)
-    return cfg
+    return _resolve_sync(cfg)
 
 
 def _check_registries(cfg: Config) -> None:
     """Names resolved by registries (estimators, sync policies) are checked at load too."""
     from tether.estimators import build_estimator
-    from tether.sync import parse_sync_policy
+    from tether.sync import BoundedK, parse_sync_policy
 
     try:
-        build_estimator(cfg.train.estimator, **cfg.train.estimator_params)
+        estimator = build_estimator(cfg.train.estimator, **cfg.train.estimator_params)
     except ValueError as e:
         raise ConfigError(f"train.estimator / train.estimator_params: {e}") from None
+    if estimator.centering and cfg.rollout.logprobs_topk == 0:
+        raise ConfigError(
+            f"train.estimator={cfg.train.estimator} centers scores over the generator's top-K "
+            "head: set rollout.logprobs_topk > 0 (e.g. 8)"
+        )
     try:
-        parse_sync_policy(cfg.sync.policy)
+        policy = parse_sync_policy(cfg.sync.policy, cfg.train.estimator)
     except ValueError as e:
         raise ConfigError(f"sync.policy: {e}") from None
+    if cfg.sync.on_trip == "regenerate" and not policy.measures_ess:
+        raise ConfigError(
+            f"sync.on_trip=regenerate applies to the batch that trips an ESS re-sync, but "
+            f"sync.policy resolves to {policy.spec}: use sync.policy=ess:TAU or on_trip=train"
+        )
+    bound = policy.k if isinstance(policy, BoundedK) else None
+    if bound is not None and cfg.sync.lag > bound:
+        raise ConfigError(
+            f"sync.lag={cfg.sync.lag} with sync.policy={policy.spec}: a delivery at lag "
+            f"{cfg.sync.lag} can never bring the generator within {bound} versions; "
+            f"lower sync.lag to <= {bound} or raise K"
+        )
+    from tether.logger import require
+
+    for key, package in (("tensorboard", "tensorboard"), ("wandb", "wandb")):
+        if getattr(cfg.log, key):
+            try:
+                require(package, f"log.{key}")
+            except ImportError as e:
+                raise ConfigError(str(e)) from None
+
+
+def _resolve_sync(cfg: Config) -> Config:
+    """`sync.policy: auto` -> the estimator preset's policy, so the run's config.yaml says which."""
+    from tether.sync import resolve_policy_spec
+
+    spec = resolve_policy_spec(cfg.sync.policy, cfg.train.estimator)
+    return cfg.model_copy(update={"sync": cfg.sync.model_copy(update={"policy": spec})})
 
 
 def dump_config(cfg: Config) -> str:

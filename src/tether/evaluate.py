@@ -1,4 +1,8 @@
-"""Greedy held-out accuracy: the number the demo prints before and after RL."""
+"""Held-out accuracy: greedy, and sampled at the rollout's temperature (mean over k samples).
+
+RL optimises the sampled policy, so the sampled figure is the one RL moves first; greedy
+accuracy is the mode's, which a short run can leave flat or even lower.
+"""
 
 from __future__ import annotations
 
@@ -8,30 +12,48 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from tether.models.tokenizer import encode_exact
 from tether.rollout.hf import sample_tokens
 from tether.rollout.types import SamplingParams
-from tether.tasks.base import Problem, Task
+from tether.tasks.base import Task
 
 
 @torch.no_grad()
+def heldout_accuracy(
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    task: Task,
+    sampling: SamplingParams,
+    seed: int = 0,
+    batch_size: int = 200,
+) -> float:
+    """Share of (held-out problem, sample) pairs that earn the full reward.
+
+    `sampling.temperature == 0` is greedy decoding (then one sample per problem is enough);
+    otherwise `sampling.n` samples per problem, drawn with a fixed `seed`.
+    """
+    problems = task.eval_problems()
+    n = 1 if sampling.temperature == 0 else sampling.n
+    g = torch.Generator().manual_seed(seed)
+    was_training = model.training
+    model.eval()
+    solved = 0
+    for i in range(0, len(problems), batch_size):
+        chunk = problems[i : i + batch_size]
+        prompts = [encode_exact(tokenizer, p.prompt) for p in chunk for _ in range(n)]
+        outs = sample_tokens(model, prompts, sampling, g, tokenizer.eos_token_id,
+                             tokenizer.pad_token_id)
+        for j, (ids, *_rest) in enumerate(outs):
+            text = tokenizer.decode(ids, skip_special_tokens=True)
+            solved += task.reward(chunk[j // n], text).parts.get("correct", 0.0) >= 1.0
+    model.train(was_training)
+    return solved / max(1, len(problems) * n)
+
+
 def greedy_accuracy(
     model: PreTrainedModel,
     tokenizer: PreTrainedTokenizerBase,
     task: Task,
-    problems: list[Problem] | None = None,
     max_new_tokens: int = 16,
     batch_size: int = 200,
 ) -> float:
     """Share of held-out problems whose greedy answer earns the full reward."""
-    problems = task.eval_problems() if problems is None else problems
-    was_training = model.training
-    model.eval()
     greedy = SamplingParams(n=1, temperature=0.0, max_new_tokens=max_new_tokens)
-    solved = 0
-    for i in range(0, len(problems), batch_size):
-        chunk = problems[i : i + batch_size]
-        prompts = [encode_exact(tokenizer, p.prompt) for p in chunk]
-        outs = sample_tokens(model, prompts, greedy, None, tokenizer.eos_token_id, tokenizer.pad_token_id)
-        for p, (ids, *_rest) in zip(chunk, outs):
-            text = tokenizer.decode(ids, skip_special_tokens=True)
-            solved += task.reward(p, text).parts.get("correct", 0.0) >= 1.0
-    model.train(was_training)
-    return solved / max(1, len(problems))
+    return heldout_accuracy(model, tokenizer, task, greedy, batch_size=batch_size)

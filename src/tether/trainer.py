@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, fields
+from typing import Any
 
 import torch
 from transformers import PreTrainedModel
 
 from tether.config import TrainConfig
 from tether.estimators import LossOutput, TokenBatch, build_estimator
+from tether.guards import StepGuard, first_nonfinite
 from tether.rollout.hf import process_logits
 from tether.rollout.types import Rollout, SamplingParams
 
@@ -129,6 +131,18 @@ class Trainer:
             model.parameters(), lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay
         )
         self.version = 0
+        self.guard = StepGuard(cfg.max_bad_steps)
+
+    def state_dict(self) -> dict[str, Any]:
+        """What a checkpoint needs: weights, optimizer moments, weight version, guard counters."""
+        return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
+                "version": self.version, "guard": self.guard.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.version = int(state["version"])
+        self.guard.load_state_dict(state["guard"])
 
     @torch.no_grad()
     def score_old(
@@ -155,10 +169,16 @@ class Trainer:
         B = batch.input_ids.shape[0]
         mb = B // self.cfg.minibatches
         out = []
+        self._logp_parts: list[torch.Tensor] = []
         for start in range(0, B, mb):
             idx = slice(start, start + mb)
             out.append(self._step(batch.select(idx), advantages[idx], logp_old[idx],
                                   None if topk_logp_old is None else topk_logp_old[idx]))
+        # (B, T) logp as each token's loss saw it (mini-batch i after i steps), for diagnostics;
+        # None when a step stopped before scoring every row.
+        parts = self._logp_parts
+        self.last_logp = torch.cat(parts) if sum(p.shape[0] for p in parts) == B else None
+        out[-1].update(self.guard.counters())  # running counts: once, not averaged
         return out
 
     def _step(
@@ -180,6 +200,13 @@ class Trainer:
             sl = slice(i, i + self.cfg.micro_batch)
             micro = batch.select(sl)
             logp, topk_logp = token_logprobs(self.model, micro, self.sampling)
+            getattr(self, "_logp_parts", []).append(logp.detach())
+            # Guard: a non-finite input or log-prob would poison the weights; one host sync.
+            bad = first_nonfinite({"logp_old": logp_old[sl], "logp_rollout": micro.logp_rollout,
+                                   "advantages": advantages[sl], "logp": logp, "topk_logp": topk_logp},
+                                  micro.response_mask)
+            if bad is not None:
+                break
             out: LossOutput = self.estimator(
                 TokenBatch(
                     logp=logp,
@@ -198,20 +225,20 @@ class Trainer:
                 bad = "loss"
                 break
             (out.loss * share).backward()
-            loss_sum += float(out.loss) * float(share)
+            loss_sum += out.loss.item() * float(share)
             for k, v in out.metrics.items():
                 sums[k] = sums.get(k, 0.0) + float(v) * float(share)
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip)
         if bad is None and not torch.isfinite(grad_norm):
             bad = "grad_norm"
+        guard = self.guard.record(bad)  # guard/skipped, and guard/bad/<tensor> when skipped
         if bad is not None:
             # A non-finite value would poison the weights: skip this optimizer step.
             self.optimizer.zero_grad(set_to_none=True)
-            return {"train/skipped": 1.0, "train/skipped_reason_loss": float(bad == "loss")}
+            return guard
         self.optimizer.step()
         self.version += 1
-        return {**sums, "loss/total": loss_sum, "train/grad_norm": float(grad_norm),
-                "train/skipped": 0.0}
+        return {**sums, "loss/total": loss_sum, "train/grad_norm": float(grad_norm), **guard}
 
 
 def mean_metrics(rows: list[dict[str, float]]) -> dict[str, float]:

@@ -245,3 +245,17 @@ def test_negative_index_rejected():
 def test_is_a_task():
     assert isinstance(TASK, Task)
     assert TASK.name == "countdown"
+
+
+def test_reachable_use_all_keeps_only_full_expressions():
+    # 2 and 3: subsets give 2, 3; the full set gives 5, -1, 1, 6.
+    assert set(reachable((2, 3))) == {2, 3, 5, -1, 1, 6}
+    assert set(reachable((2, 3), use_all=True)) == {5, -1, 1, 6}
+
+
+def test_use_all_solutions_use_every_number():
+    task = CountdownTask(seed=0, eval_size=50, use_all=True)
+    for problem in [task.train_problem(i) for i in range(100)] + task.eval_problems():
+        literals = sorted(int(x) for x in re.findall(r"\d+", problem.solution))
+        assert literals == sorted(problem.meta["numbers"]), problem
+        assert task.reward(problem, problem.solution).total == 1.0

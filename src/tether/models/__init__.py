@@ -21,8 +21,14 @@ from tether.models.tiny import build_tiny_model
 from tether.models.tokenizer import build_char_tokenizer
 from tether.models.warmstart import warm_start
 
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
 # Bump when the recipe of the default model changes, so stale caches are not reused.
 RECIPE_VERSION = 1
+
+
+# The Countdown knobs that shape the warm-start data, hence the cached model.
+TASK_KNOBS = ("num_numbers", "num_min", "num_max", "target_min", "target_max", "use_all")
 
 
 def default_model_dir(cache_dir: str, moe: bool, seed: int, warmstart_steps: int, task_key: dict) -> Path:
@@ -39,18 +45,21 @@ def ensure_default_model(
 ) -> Path:
     """Build and warm-start tether's tiny model unless cached; return its HF directory.
 
-    The directory loads with AutoModelForCausalLM / AutoTokenizer. It is written to a
+    `task_kwargs` are CountdownTask knobs (others are ignored); the cache key holds their
+    resolved values, so defaults passed explicitly or left out find the same model. The
+    directory loads with AutoModelForCausalLM / AutoTokenizer. It is written to a
     temporary directory and renamed into place, so a killed build leaves no half model.
     """
     from tether.tasks.countdown import ALPHABET, CountdownTask
 
-    task_kwargs = dict(task_kwargs or {})
-    out = default_model_dir(cache_dir, moe, seed, warmstart_steps, task_kwargs)
+    knobs = {k: v for k, v in (task_kwargs or {}).items() if k in TASK_KNOBS}
+    task = CountdownTask(**knobs, seed=seed)
+    out = default_model_dir(cache_dir, moe, seed, warmstart_steps,
+                            {k: getattr(task, k) for k in TASK_KNOBS})
     if (out / "config.json").is_file():
         return out
     tokenizer = build_char_tokenizer(ALPHABET)
     model = build_tiny_model(len(tokenizer), moe=moe, seed=seed)
-    task = CountdownTask(**{**task_kwargs, "seed": seed})
     if verbose:
         print(f"building tether's tiny {'MoE' if moe else 'dense'} model: "
               f"{warmstart_steps} warm-start steps -> {out}")
@@ -70,16 +79,32 @@ def ensure_default_model(
 def load_model(path: str | Path) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """Load a local HF causal LM and its tokenizer in fp32; clear errors for a wrong directory."""
     p = Path(path).expanduser()
+    where = f"model.path={p}"
     if not (p / "config.json").is_file():
-        raise ValueError(f"model.path={p}: not a Hugging Face model directory (no config.json)")
-    config = AutoConfig.from_pretrained(p, local_files_only=True)
+        raise ValueError(f"{where}: not a Hugging Face model directory (no config.json)")
+    try:
+        config = AutoConfig.from_pretrained(p, local_files_only=True)
+    except (OSError, ValueError) as e:  # not JSON, or a model type this transformers lacks
+        first = str(e).strip().split("\n")[0]
+        raise ValueError(f"{where}: its config.json cannot be read: {first}") from None
+    if not any((p / f).is_file() for f in _TOKENIZER_FILES):
+        raise ValueError(f"{where}: no tokenizer files there (one of {', '.join(_TOKENIZER_FILES)})")
     try:
         model = AutoModelForCausalLM.from_pretrained(
             p, local_files_only=True, dtype="float32", attn_implementation="sdpa"
         )
     except ValueError as e:
-        raise ValueError(f"model.path={p}: {type(config).__name__} is not a causal LM ({e})") from None
+        if "Unrecognized configuration class" not in str(e):
+            raise
+        raise ValueError(
+            f"{where}: {type(config).__name__} (model_type {config.model_type!r}) is not a "
+            f"causal language model: AutoModelForCausalLM cannot load it"
+        ) from None
+    except OSError as e:  # no weights file, or an unreadable one
+        raise ValueError(f"{where}: the weights cannot be loaded: {str(e).strip().splitlines()[0]}") from None
     tokenizer = AutoTokenizer.from_pretrained(p, local_files_only=True)
+    if tokenizer.eos_token_id is None:
+        raise ValueError(f"{where}: the tokenizer has no eos token, so no response could end")
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     if len(tokenizer) > model.get_input_embeddings().num_embeddings:

@@ -73,8 +73,10 @@ def _shorter(found: dict[int, tuple[str, int]], value: int, expr: tuple[str, int
         found[value] = expr
 
 
-def reachable(numbers: tuple[int, ...]) -> dict[int, str]:
+def reachable(numbers: tuple[int, ...], use_all: bool = False) -> dict[int, str]:
     """Every integer reachable by + - * over sub-multisets of `numbers`, with one expression each.
+
+    With `use_all`, only values of expressions that use every number (the classic game).
 
     Dynamic programming over bitmasks of positions: the values of a set are the values
     of every split into two non-empty halves, combined by a+b, a-b, b-a, a*b. Each value
@@ -101,7 +103,7 @@ def reachable(numbers: tuple[int, ...]) -> dict[int, str]:
                         _shorter(found, a * b, _join(a_expr, "*", b_expr))
             part = (part - 1) & mask
     best: dict[int, tuple[str, int]] = {}
-    for found in by_mask[1:]:
+    for found in by_mask[-1:] if use_all else by_mask[1:]:
         for value, expr in found.items():
             _shorter(best, value, expr)
     return {value: expr[0] for value, expr in best.items()}
@@ -136,6 +138,8 @@ class CountdownTask:
         eval_size: int = 200,
         format_weight: float = 0.0,
         max_response_chars: int = 64,
+        use_all: bool = True,
+        train_size: int = 0,
     ) -> None:
         """Check the knobs, then build the held-out set (so impossible ranges fail here).
 
@@ -149,6 +153,10 @@ class CountdownTask:
                 that misses the target.
             max_response_chars: longest response the reward parses (after stripping);
                 longer ones score 0.
+            train_size: cycle through only the first N training problems (0: an endless
+                stream); a small pool is the "can it fit?" sanity check.
+            use_all: draw only targets whose reference solution uses every number. Without
+                it, many targets are one given number or two, and RL learns "answer short".
         """
         if not isinstance(num_numbers, int) or not 2 <= num_numbers <= MAX_NUMBERS:
             raise ValueError(
@@ -191,6 +199,10 @@ class CountdownTask:
         self.target_max = target_max
         self.seed = seed
         self.format_weight = format_weight
+        self.use_all = use_all
+        if train_size < 0:
+            raise ValueError(f"train_size must be >= 0 (0: endless stream), got {train_size}")
+        self.train_size = train_size
         # No + - * value exceeds (num_max + 1)^n; squaring it leaves room for answers
         # through "/", whose numerators and denominators multiply.
         self.limits = ExprLimits(
@@ -207,7 +219,7 @@ class CountdownTask:
             numbers = tuple(
                 rng.randint(self.num_min, self.num_max) for _ in range(self.num_numbers)
             )
-            values = reachable(tuple(sorted(numbers)))
+            values = reachable(tuple(sorted(numbers)), self.use_all)
             targets = sorted(v for v in values if self.target_min <= v <= self.target_max)
             if targets:
                 target = rng.choice(targets)
@@ -245,6 +257,8 @@ class CountdownTask:
         """The index-th training problem: drawn from a stream seeded by (seed, index) only."""
         if index < 0:
             raise ValueError(f"index must be >= 0, got {index}")
+        if self.train_size:
+            index %= self.train_size
         rng = random.Random(f"countdown/{self.seed}/train/{index}")
         for _ in range(MAX_DRAWS):
             problem = self._draw(rng, f"countdown-train-{index}")

@@ -1,0 +1,111 @@
+"""`tether inspect` on short real runs, and docs/metrics.md covering every logged column."""
+
+from __future__ import annotations
+
+import itertools
+import re
+from pathlib import Path
+
+import pytest
+
+from tether.cli import main
+from tether.config import load_config
+from tether.logger import read_jsonl
+from tether.loop import train
+from tether.models import build_char_tokenizer, build_tiny_model
+from tether.tasks import ALPHABET
+
+DOCS = Path(__file__).resolve().parents[1] / "docs" / "metrics.md"
+SHORT = ["rollout.prompts_per_step=4", "rollout.group_size=4", "rollout.max_new_tokens=10",
+         "task.eval_size=4", "eval.every=0", "run.progress=false", "diagnostics.monitor_every=1",
+         "diagnostics.monitor_prompts=2", "diagnostics.monitor_samples=2"]
+
+
+@pytest.fixture(scope="module")
+def dlc_run(warm_model_dir, tmp_path_factory):
+    """3 steps of dlc against an fp8 generator lagging 1 version; ess:0.95 re-syncs."""
+    run_dir = tmp_path_factory.mktemp("dlc")
+    train(load_config("configs/dlc_fp8_lag4.yaml", [
+        f"model.path={warm_model_dir}", f"run.dir={run_dir}", "train.steps=3", "train.lr=3e-3",
+        "sync.lag=1", "sync.policy=ess:0.95", *SHORT]))
+    return run_dir
+
+
+@pytest.fixture(scope="module")
+def moe_run(tmp_path_factory):
+    """2 steps on a random-init MoE model under bf16: the routing columns."""
+    model_dir = tmp_path_factory.mktemp("moe-model")
+    tokenizer = build_char_tokenizer(ALPHABET)
+    build_tiny_model(len(tokenizer), moe=True, seed=0).save_pretrained(model_dir)
+    tokenizer.save_pretrained(model_dir)
+    run_dir = tmp_path_factory.mktemp("moe")
+    train(load_config("configs/countdown.yaml", [
+        f"model.path={model_dir}", f"run.dir={run_dir}", "train.steps=2",
+        "rollout.precision=bf16", *SHORT]))
+    return run_dir
+
+
+def documented_keys() -> list[re.Pattern]:
+    """Every backticked key in docs/metrics.md, {a,b} expanded, <name> as a wildcard."""
+    patterns = []
+    for token in re.findall(r"`([^`\s]+)`", DOCS.read_text()):
+        parts = re.split(r"\{([^}]*)\}", token)  # literal, alternatives, literal, ...
+        choices = [[p] if i % 2 == 0 else p.split(",") for i, p in enumerate(parts)]
+        for combo in itertools.product(*choices):
+            key = "".join(combo)
+            patterns.append(re.compile(re.sub(r"<[^>]+>", "[^/]+", re.escape(key)
+                                              .replace(r"\<", "<").replace(r"\>", ">")) + "$"))
+    return patterns
+
+
+def test_every_logged_key_is_documented(dlc_run, moe_run):
+    keys = {k for run in (dlc_run, moe_run) for row in read_jsonl(run / "metrics.jsonl") for k in row}
+    patterns = documented_keys()
+    missing = sorted(k for k in keys if not any(p.match(k) for p in patterns))
+    assert not missing, f"add these to docs/metrics.md: {missing}"
+
+
+def test_dlc_run_logs_every_diagnostic(dlc_run):
+    rows = read_jsonl(dlc_run / "metrics.jsonl")[1:]
+    for cause in ("numerical", "staleness", "total"):
+        for metric in ("k1_kl/mean", "k3_kl/mean", "abs_log_ratio/max", "chi2/token", "chi2/seq",
+                       "ppl_ratio/mean", "ess/token", "ess/seq"):
+            assert all(f"{cause}/{metric}" in r for r in rows), f"{cause}/{metric}"
+    weights = ("numerical/is_weight", "staleness/ratio", "total/is_weight")
+    for name in weights:
+        for stat in ("mean", "max", "second_moment"):
+            assert all(f"{name}/{stat}" in r for r in rows)
+    for key in ("monitor/k3_kl/mean", "monitor/kl_share/rare", "sync/ess/token", "sync/tripped",
+                "snapshots/count", "snapshots/bytes", "staleness/versions/batch", "loss/centering"):
+        assert all(key in r for r in rows), key
+    assert [r["staleness/versions/batch"] for r in rows][:2] == [0.0, 1.0]
+    assert rows[0]["numerical/k3_kl/mean"] > 0  # fp8
+    assert rows[1]["staleness/k3_kl/mean"] > 0  # one version behind
+
+
+def test_moe_run_logs_routing_disagreement(moe_run):
+    rows = read_jsonl(moe_run / "metrics.jsonl")[1:]
+    assert all(0 <= r["numerical/routing_disagreement/mean"] <= 1 for r in rows)
+    assert any(r["numerical/routing_disagreement/any_layer"] > 0 for r in rows)
+
+
+def test_inspect_prints_the_summary_and_writes_plots(dlc_run, tmp_path, capsys):
+    assert main(["inspect", str(dlc_run), "--out", str(tmp_path)]) == 0
+    text = capsys.readouterr().out
+    print(text)
+    assert "mismatch by cause" in text and "dominates" in text
+    assert "vs tau = 0.95" in text and "syncs:" in text and "monitor" in text
+    for name in ("decomposition.png", "ess_sync.png", "learning.png"):
+        data = (tmp_path / name).read_bytes()
+        assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 20_000, name
+        assert f"plot: {tmp_path / name}" in text
+
+
+def test_inspect_help_and_errors(tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        main(["inspect", "--help"])
+    help_text = capsys.readouterr().out
+    for option in ("RUN_DIR", "--out", "--no-plots", "--tau", "--windows"):
+        assert option in help_text
+    assert main(["inspect", str(tmp_path)]) == 2
+    assert "no metrics.jsonl" in capsys.readouterr().err

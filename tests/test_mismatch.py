@@ -1,0 +1,155 @@
+"""The mismatch lab on real tiny-model batches: injected numerics and staleness, split by cause."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from tether.config import TrainConfig
+from tether.diagnostics import decompose, mismatch_metrics, routing_disagreement
+from tether.models import build_tiny_model, load_model
+from tether.models.tokenizer import encode_exact
+from tether.rollout.hf import HFGenerator
+from tether.rollout.numerics import apply_numerics, fp8_targets, quantize_fp8
+from tether.rollout.types import SamplingParams
+from tether.snapshots import SnapshotStore
+from tether.sync import Synchronizer, parse_sync_policy
+from tether.tasks import build_task
+from tether.trainer import Trainer, collate, group_advantages, token_logprobs
+
+SAMPLING = SamplingParams(n=4, max_new_tokens=12)
+PROMPTS = 8  # x 4 samples = 32 sequences a step
+
+
+@pytest.fixture(scope="module")
+def warm(warm_model_dir):
+    model, tokenizer = load_model(warm_model_dir)
+    return model, tokenizer, build_task("countdown")
+
+
+def run_steps(warm, precision: str, steps: int, lag: int = 0, minibatches: int = 1,
+              policy: str = "every:1") -> list[dict]:
+    """The synchronous loop's phases on a fresh copy of the warm model; per step the tensors."""
+    base, tokenizer, task = warm
+    model = copy.deepcopy(base)
+    torch.manual_seed(0)
+    trainer = Trainer(model, TrainConfig(lr=2e-3, minibatches=minibatches), SAMPLING)
+    gen = HFGenerator(model, tokenizer.eos_token_id, tokenizer.pad_token_id, precision)
+    sync = Synchronizer(parse_sync_policy(policy), gen, trainer, SnapshotStore(model), lag)
+    out = []
+    for step in range(steps):
+        problems = [task.train_problem(step * PROMPTS + i) for i in range(PROMPTS)]
+        prompts = [encode_exact(tokenizer, p.prompt) for p in problems]
+        rollouts = gen.generate(prompts, [p.id for p in problems], SAMPLING, seed=step)
+        for ro in rollouts:
+            ro.reward = task.reward(problems[ro.group_id],
+                                    tokenizer.decode(ro.response_ids, skip_special_tokens=True)).total
+        batch = collate(rollouts, tokenizer.pad_token_id)
+        version = gen.version
+        logp_old, topk_old = trainer.score_old(batch, sync.old_model(version))
+        sync.check(batch, logp_old, version)
+        trainer.train_on(batch, group_advantages(batch.rewards, batch.group_ids, True),
+                         logp_old, topk_old)
+        d = decompose(batch.logp_rollout, logp_old, trainer.last_logp, batch.response_mask)
+        out.append({"batch": batch, "d": d, "metrics": mismatch_metrics(d),
+                    "staleness": trainer.version - minibatches - version,
+                    **sync.after_step(step)})
+    return out
+
+
+def test_fp32_generator_lag0_has_neither_cause(warm):
+    for s in run_steps(warm, "fp32", steps=2):
+        m = s["metrics"]
+        assert s["staleness"] == 0
+        assert m["numerical/abs_log_ratio/max"] < 1e-5  # kernel order only (KV cache vs full)
+        assert m["staleness/abs_log_ratio/max"] < 1e-5
+        assert m["numerical/k3_kl/mean"] < 1e-10 and m["staleness/k3_kl/mean"] < 1e-10
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp8"])
+def test_low_precision_lag0_is_numerical_only_on_the_first_minibatch(warm, precision):
+    # minibatch:2: the first half is trained at the sampling version (no staleness), the
+    # second half one optimizer step later (staleness from the minibatch source).
+    (s,) = run_steps(warm, precision, steps=1, minibatches=2)
+    d, B = s["d"], s["batch"].response_mask.shape[0]
+    m = s["metrics"]
+    assert m["numerical/k3_kl/mean"] > 1e-6 and m["numerical/abs_log_ratio/max"] > 1e-2
+    first, second = d.log_r[: B // 2], d.log_r[B // 2:]
+    assert first.abs().max() == 0.0  # same weights, same fp32 numerics: bit for bit
+    assert second.abs().max() > 1e-3
+
+
+def test_fp32_lag3_is_staleness_only(warm):
+    steps = run_steps(warm, "fp32", steps=5, lag=3)
+    assert [s["staleness"] for s in steps] == [0, 1, 2, 3, 3]
+    for s in steps:
+        assert s["metrics"]["numerical/abs_log_ratio/max"] < 1e-5
+    for s in steps[1:]:
+        assert s["metrics"]["staleness/k3_kl/mean"] > 1e-5
+        assert s["metrics"]["staleness/abs_log_ratio/max"] > 1e-2
+    # lag 3 keeps the generator's version and the 3 not yet delivered: 4 snapshots.
+    assert [s["snapshots/count"] for s in steps] == [2, 3, 4, 4, 4]
+
+
+def test_log_r_plus_log_rho_is_the_total_exactly(warm):
+    for s in run_steps(warm, "bf16", steps=3, lag=1):
+        d = s["d"]
+        assert d.log_r.abs().max() > 0 or s["staleness"] == 0
+        assert torch.equal(d.log_r + d.log_rho, d.log_total)  # float64: no rounding at all
+        m = s["metrics"]
+        # k1 is linear in the log-ratio, so it splits exactly too (up to summation order).
+        assert m["total/k1_kl/mean"] == pytest.approx(
+            m["numerical/k1_kl/mean"] + m["staleness/k1_kl/mean"], abs=1e-12)
+
+
+def test_fp8_disagrees_more_than_bf16(warm):
+    # The same fp32-sampled sequences, scored by each generator's numerics (teacher-forced).
+    base, tokenizer, task = warm
+    gen = HFGenerator(base, tokenizer.eos_token_id, tokenizer.pad_token_id, "fp32")
+    prompts = [encode_exact(tokenizer, task.train_problem(i).prompt) for i in range(PROMPTS)]
+    batch = collate(gen.generate(prompts, [str(i) for i in range(PROMPTS)], SAMPLING, seed=0),
+                    tokenizer.pad_token_id)
+    with torch.no_grad():
+        logp_old, _ = token_logprobs(base, batch, SAMPLING)
+    k3, peak = {}, {}
+    for precision in ("bf16", "fp8"):
+        apply_numerics(gen.model, base.state_dict(), precision)
+        with torch.no_grad():
+            logp_gen, _ = token_logprobs(gen.model, batch, SAMPLING)
+        m = mismatch_metrics(decompose(logp_gen, logp_old, None, batch.response_mask))
+        k3[precision], peak[precision] = m["numerical/k3_kl/mean"], m["numerical/abs_log_ratio/max"]
+    print("k3", k3, "max", peak)
+    assert k3["fp8"] > 1.3 * k3["bf16"] > 0
+    assert peak["fp8"] > peak["bf16"]
+
+
+def test_fp8_quantizes_per_output_channel():
+    w = torch.tensor([[448.0, 1.0, 0.3], [0.5, -0.25, 0.07]])
+    q = quantize_fp8(w)
+    # Row 0: scale 1; 0.3 -> e4m3 0.3125 (3 mantissa bits: 0.3 = 1.2 * 2^-2, 1.25 * 2^-2 nearest).
+    assert q[0].tolist() == [448.0, 1.0, 0.3125]
+    # Row 1: scale 0.5/448; -0.25 and 0.5 are exact in that scale (powers of two apart).
+    assert q[1, 0].item() == pytest.approx(0.5) and q[1, 1].item() == pytest.approx(-0.25)
+    moe = build_tiny_model(21, moe=True, seed=0)
+    names = [n for n, _ in fp8_targets(moe)]
+    assert any(n.endswith("experts.gate_up_proj") for n in names)
+    assert not any(n.endswith("mlp.gate.weight") or "norm" in n or "embed" in n for n in names)
+
+
+@pytest.mark.parametrize("precision,expect_zero", [("fp32", True), ("bf16", False)])
+def test_moe_router_in_generator_numerics_moves_tokens(precision, expect_zero):
+    moe = build_tiny_model(21, moe=True, seed=0)
+    gen = HFGenerator(moe, 1, 0, precision)
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(2, 21, (6,), generator=g).tolist() for _ in range(16)]
+    batch = collate(gen.generate(prompts, [str(i) for i in range(16)],
+                                 SamplingParams(n=4, max_new_tokens=16), seed=0), 0)
+    m = routing_disagreement(moe, gen.model, batch)
+    print(precision, m, int(batch.response_mask.sum()), "tokens")
+    if expect_zero:
+        assert m["numerical/routing_disagreement/mean"] == 0.0
+    else:
+        assert m["numerical/routing_disagreement/mean"] > 0.0
+        assert m["numerical/routing_disagreement/any_layer"] >= m["numerical/routing_disagreement/mean"]
