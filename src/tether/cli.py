@@ -1,4 +1,4 @@
-"""The `tether` command: train, config, init-model, estimators, inspect.
+"""The `tether` command: train, config, init-model, estimators, inspect, experiment, report.
 
 Errors a user can fix (bad config, bad data, wrong model directory) print one message
 and exit with status 2, without a Python traceback (TETHER_DEBUG=1 shows it). A run
@@ -108,6 +108,44 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
     return 0
 
 
+EXPERIMENT_HELP = """\
+Run one of the papers' experiments on the embedded testbed (DESIGN.md section 7):
+  dlc    generator {exact, bf16, fp8, lag 8, fp8 + lag 8} x {naive, tis, mis, dlc without
+         re-sync, dlc} x 3 seeds, dense model
+  cis    MoE model, bf16 generator x {none, tis, mis/icepop, cis} x 3 seeds (+ fp32 reference)
+  vespo  staleness N in {1, 4, 8, 16, 32, 64} x {grpo, gspo, sapo, vespo, vespo /T, vespo /sqrtT}
+Each cell is one training run in OUT/cells/<scenario>__<method>__s<seed>, run in parallel
+worker processes (one torch thread each). Rerunning the same command skips finished cells
+and resumes interrupted ones. Writes OUT/summary.csv (one row per scenario x method),
+OUT/cells.csv, OUT/summary.json; `tether report OUT` builds the HTML page and plots.
+Definitions of every number: docs/experiments.md."""
+
+REPORT_HELP = """\
+Build the report of an experiment directory written by `tether experiment`: PNG figures,
+a self-contained HTML page (figures embedded) and a markdown summary with the tables, all
+in DIR/report/ (index.html, summary.md, *.png)."""
+
+
+def _cmd_experiment(args: argparse.Namespace) -> int:
+    from tether.experiments import run
+
+    only = [g for g in (args.only or "").split(",") if g]
+    run(args.name, args.out, quick=args.quick, seeds=args.seeds, workers=args.workers,
+        model_path=args.model, only=only or None)
+    return 0
+
+
+def _cmd_report(args: argparse.Namespace) -> int:
+    from tether.report import build_report
+
+    html_path, md_path, figures = build_report(args.dir)
+    print(f"report: {html_path}")
+    print(f"summary: {md_path}")
+    for path in figures:
+        print(f"plot: {path}")
+    return 0
+
+
 def _cmd_estimators(args: argparse.Namespace) -> int:
     from tether.estimators import format_presets_table
 
@@ -162,6 +200,35 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--windows", type=int, default=5, metavar="N",
                    help="Split the run into N windows for the per-cause table (default 5).")
     p.set_defaults(func=_cmd_inspect)
+
+    p = sub.add_parser(
+        "experiment", help="Run a paper's experiment matrix (dlc, cis, vespo); resumable.",
+        description=EXPERIMENT_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("name", choices=["dlc", "cis", "vespo"], help="Which experiment.")
+    p.add_argument("--quick", action="store_true",
+                   help="A reduced matrix (1 seed, 2 settings x 2 methods, a few small steps, "
+                   "a lightly warm-started model): a smoke test in about a minute.")
+    p.add_argument("--out", metavar="DIR",
+                   help="Experiment directory (default runs/experiments/NAME[-quick]); rerun "
+                   "with the same DIR to resume.")
+    p.add_argument("--seeds", type=int, metavar="N",
+                   help="Seeds per scenario x method (default: dlc 3, cis 3, vespo 1; quick 1).")
+    p.add_argument("--workers", type=int, default=2, metavar="N",
+                   help="Cells run in parallel, each in its own process with one torch "
+                   "thread (default 2; at most the number of free cores).")
+    p.add_argument("--model", metavar="PATH",
+                   help="Start every cell from this model directory instead of the default "
+                   "tiny model (built and cached on first use).")
+    p.add_argument("--only", metavar="S:M,...",
+                   help="Run only these scenario:method groups, e.g. fp8_lag8:naive,fp8_lag8:dlc "
+                   "(the on-policy reference group is always included).")
+    p.set_defaults(func=_cmd_experiment)
+
+    p = sub.add_parser("report", help="Build figures, an HTML page and a markdown summary of an "
+                       "experiment directory.", description=REPORT_HELP,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("dir", metavar="DIR", help="A directory written by `tether experiment`.")
+    p.set_defaults(func=_cmd_report)
     return parser
 
 

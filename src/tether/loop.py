@@ -13,6 +13,7 @@ from pathlib import Path
 
 import torch
 from tqdm import tqdm
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from tether.checkpoint import (
     RunState,
@@ -31,7 +32,7 @@ from tether.models.tokenizer import encode_exact
 from tether.monitor import current_model_monitor
 from tether.rewards import build_reward_fn
 from tether.rollout.hf import HFGenerator
-from tether.rollout.types import SamplingParams
+from tether.rollout.types import Generator, SamplingParams
 from tether.snapshots import SnapshotStore
 from tether.sync import Synchronizer, parse_sync_policy
 from tether.tasks import build_task
@@ -56,6 +57,20 @@ def resolve_model_path(cfg: Config) -> Path:
                                 cfg.model.warmstart_steps, cfg.task.model_dump())
 
 
+def build_generator(cfg: Config, model: PreTrainedModel, model_path: Path,
+                    tokenizer: PreTrainedTokenizerBase) -> Generator:
+    """The rollout engine `rollout.engine` names, holding the trainer's current weights."""
+    r = cfg.rollout
+    if r.engine == "vllm":
+        from tether.rollout.vllm_engine import VLLMGenerator
+
+        generator = VLLMGenerator(model_path, r.precision, eos_token_id=tokenizer.eos_token_id,
+                                  max_logprobs=max(20, r.logprobs_topk))
+        generator.load_weights(model.state_dict(), version=0)
+        return generator
+    return HFGenerator(model, tokenizer.eos_token_id, tokenizer.pad_token_id, r.precision)
+
+
 def make_run_dir(cfg: Config, resume: bool = False) -> Path:
     run_dir = Path(cfg.run.dir or f"runs/{time.strftime('%Y%m%d-%H%M%S')}-{cfg.train.estimator}")
     if not resume:
@@ -75,14 +90,15 @@ def train(cfg: Config, resume: bool = False) -> RunResult:
     task = build_task(cfg.task.name, **cfg.task.model_dump(exclude={"name"}))
     reward_fn = build_reward_fn(cfg.reward.fn, cfg.reward.timeout, task)
     run_dir = make_run_dir(cfg, resume)
-    model, tokenizer = load_model(resolve_model_path(cfg))
+    model_path = resolve_model_path(cfg)
+    model, tokenizer = load_model(model_path)
     check_prompts(task, tokenizer, getattr(model.config, "max_position_embeddings", None),
                   r.max_new_tokens, cfg.train.steps * r.prompts_per_step)
     sampling = SamplingParams(n=r.group_size, temperature=r.temperature, top_k=r.top_k,
                               top_p=r.top_p, max_new_tokens=r.max_new_tokens,
                               logprobs_topk=r.logprobs_topk)
     trainer = Trainer(model, cfg.train, sampling)
-    generator = HFGenerator(model, tokenizer.eos_token_id, tokenizer.pad_token_id, r.precision)
+    generator = build_generator(cfg, model, model_path, tokenizer)
     sync = Synchronizer(parse_sync_policy(cfg.sync.policy, cfg.train.estimator), generator,
                         trainer, SnapshotStore(model), cfg.sync.lag, cfg.sync.on_trip,
                         minibatches=cfg.train.minibatches)
@@ -109,12 +125,13 @@ def train(cfg: Config, resume: bool = False) -> RunResult:
         """The mismatch by cause (docs/metrics.md); MoE routing; the monitor every M steps."""
         out = mismatch_metrics(decompose(batch.logp_rollout, logp_old, trainer.last_logp,
                                          batch.response_mask))
-        if d.routing and is_moe(model):  # trainer fp32 vs generator numerics, same version
+        hf_generator = getattr(generator, "model", None)  # vLLM's weights live in its engine
+        if d.routing and is_moe(model) and hf_generator is not None:  # fp32 vs generator numerics
             out |= routing_disagreement(sync.snapshots.model_at(int(batch.versions[0])),
-                                        generator.model, batch, cfg.train.micro_batch)
-        if d.monitor_every and (step + 1) % d.monitor_every == 0:
+                                        hf_generator, batch, cfg.train.micro_batch)
+        if d.monitor_every and (step + 1) % d.monitor_every == 0 and hf_generator is not None:
             out |= current_model_monitor(
-                model, generator.model, probe, replace(sampling, n=d.monitor_samples, logprobs_topk=0),
+                model, hf_generator, probe, replace(sampling, n=d.monitor_samples, logprobs_topk=0),
                 cfg.run.seed * 1_000_003 + step + 500_009, tokenizer.eos_token_id,
                 tokenizer.pad_token_id, d.rare_prob)
         return out
@@ -196,6 +213,7 @@ def train(cfg: Config, resume: bool = False) -> RunResult:
 
     after = evaluate() if start == cfg.train.steps else row
     log.close()
+    generator.close()
     model.save_pretrained(run_dir / "final")  # safetensors, loads with from_pretrained
     tokenizer.save_pretrained(run_dir / "final")
     return RunResult(run_dir, before["eval/accuracy"], after["eval/accuracy"],

@@ -56,6 +56,9 @@ class HFGenerator:
         apply_numerics(self.model, state_dict, self.precision)
         self.version = version
 
+    def close(self) -> None:
+        """Nothing to free: the weights are ordinary tensors."""
+
     @torch.no_grad()
     def generate(
         self, prompts: list[list[int]], prompt_ids: list[str], sampling: SamplingParams, seed: int

@@ -59,3 +59,7 @@ class Generator(Protocol):
     def load_weights(self, state_dict: dict[str, torch.Tensor], version: int) -> None:
         """Replace the engine's weights with the trainer's and stamp the new version."""
         ...
+
+    def close(self) -> None:
+        """Free the engine's resources (a vLLM engine must be closed before another starts)."""
+        ...

@@ -1,0 +1,317 @@
+"""`tether report DIR`: one experiment directory -> PNG figures, an HTML page, a markdown summary.
+
+Reads what `tether experiment` wrote (OUT/experiment.json, OUT/cells/*/metrics.jsonl,
+summarising again if needed) and writes OUT/report/: one PNG per figure, `index.html`
+(self-contained: every figure embedded as base64 PNG, with a link to its file) and
+`summary.md` (the tables, figures linked). Every figure's title is the one question it
+answers; curves are means over seeds with a band of +- one standard deviation.
+"""
+
+from __future__ import annotations
+
+import base64
+import html
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+
+from tether.experiments import analysis, get
+
+COLORS = ["#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#8c564b", "#e377c2", "#17becf"]
+
+
+def _plt():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _group_curves(out: Path, meta: dict, key: str, smooth_w: int = 0) -> dict:
+    """(scenario, method) -> (steps, mean, std) over seeds of `key`, on the steps all share."""
+    runs: dict[tuple[str, str], list[tuple[np.ndarray, np.ndarray]]] = {}
+    for c in meta["cells"]:
+        s, v = analysis.series(analysis.cell_rows(out, c["name"]), key)
+        if len(v):
+            runs.setdefault((c["scenario"], c["method"]), []).append(
+                (s, analysis.smooth(v, smooth_w) if smooth_w else v))
+    curves = {}
+    for g, rs in runs.items():
+        n = min(len(s) for s, _ in rs)
+        vals = np.stack([v[:n] for _, v in rs])
+        curves[g] = (rs[0][0][:n], vals.mean(0), vals.std(0, ddof=1) if len(rs) > 1 else 0 * vals[0])
+    return curves
+
+
+def _panels(plt, n: int):
+    cols = min(n, 3)
+    rows = math.ceil(n / cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(4.6 * cols, 3.4 * rows), squeeze=False,
+                             sharey=True)
+    for ax in axes.flat[n:]:
+        ax.set_visible(False)
+    return fig, list(axes.flat)
+
+
+def curves_figure(out: Path, meta: dict, key: str, ylabel: str, title: str, path: Path,
+                  smooth_w: int = 0, log_y: bool = False, hline: float | None = None) -> Path | None:
+    """One panel per scenario, one line per method, the on-policy reference dashed in each."""
+    plt = _plt()
+    curves = _group_curves(out, meta, key, smooth_w)
+    if not curves:
+        return None
+    ref = tuple(meta["reference"])
+    scenarios = list(dict.fromkeys(g[0] for g in curves))
+    methods = list(dict.fromkeys(g[1] for g in curves))
+    fig, axes = _panels(plt, len(scenarios))
+    for ax, scen in zip(axes, scenarios):
+        if ref in curves and scen != ref[0]:
+            s, m, sd = curves[ref]
+            ax.plot(s, m, "k--", lw=1.2, label=f"on-policy ({ref[0]}, {ref[1]})")
+            ax.fill_between(s, m - sd, m + sd, color="k", alpha=0.08)
+        for i, meth in enumerate(methods):
+            if (scen, meth) not in curves:
+                continue
+            s, m, sd = curves[(scen, meth)]
+            color = COLORS[i % len(COLORS)]
+            ax.plot(s, m, color=color, lw=1.6, marker="." if len(s) < 8 else None, label=meth)
+            ax.fill_between(s, m - sd, m + sd, color=color, alpha=0.18)
+        if hline is not None:
+            ax.axhline(hline, color="grey", lw=0.8, ls=":")
+        if log_y:
+            ax.set_yscale("log")
+        ax.set_title(f"generator / setting: {scen}", fontsize=9)
+        ax.set_xlabel("RL step")
+        ax.set_ylabel(ylabel)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+    return path
+
+
+def bars_figure(groups: list[dict], keys: list[tuple[str, str]], ylabel: str, title: str,
+                path: Path, log_y: bool = False, hline: float | None = None) -> Path | None:
+    """Grouped bars: one group per (scenario, method), one bar per key, error bar = std."""
+    plt = _plt()
+    if not groups:
+        return None
+    fig, ax = plt.subplots(figsize=(max(6, 0.7 * len(groups) * len(keys)), 3.8))
+    x = np.arange(len(groups))
+    width = 0.8 / len(keys)
+    for i, (k, label) in enumerate(keys):
+        vals = [g.get(k, float("nan")) for g in groups]
+        errs = [g.get(k + "_std", float("nan")) for g in groups]
+        errs = [e if isinstance(e, float) and math.isfinite(e) else 0.0 for e in errs]
+        ax.bar(x + (i - (len(keys) - 1) / 2) * width, vals, width, yerr=errs, capsize=2,
+               color=COLORS[i % len(COLORS)], label=label)
+    if hline is not None:
+        ax.axhline(hline, color="k", ls="--", lw=1)
+    ax.set_xticks(x, [f"{g['scenario']}\n{g['method']}" for g in groups], fontsize=7)
+    ax.set_ylabel(ylabel)
+    if log_y:
+        ax.set_yscale("log")
+    ax.grid(axis="y", alpha=0.3)
+    ax.legend(fontsize=8)
+    ax.set_title(title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+    return path
+
+
+def vespo_figure(groups: list[dict], path: Path) -> Path | None:
+    """Final reward against N per method; collapsed groups marked with a red x."""
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(6.5, 4))
+    methods = list(dict.fromkeys(g["method"] for g in groups))
+    for i, meth in enumerate(methods):
+        gs = sorted((g for g in groups if g["method"] == meth), key=lambda g: int(g["scenario"][1:]))
+        n = [int(g["scenario"][1:]) for g in gs]
+        r = [g["final_reward"] for g in gs]
+        sd = [g["final_reward_std"] if math.isfinite(g["final_reward_std"]) else 0 for g in gs]
+        ax.errorbar(n, r, yerr=sd, color=COLORS[i % len(COLORS)], marker="o", capsize=2, label=meth)
+        bad = [(a, b) for a, b, g in zip(n, r, gs) if g["collapsed"]]
+        if bad:
+            ax.scatter(*zip(*bad), marker="x", s=90, color="red", zorder=5)
+    ax.scatter([], [], marker="x", color="red", label="collapsed (reward < half its best)")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("staleness N (optimizer steps per rollout batch)")
+    ax.set_ylabel("final reward (mean of last quarter)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    ax.set_title("Which objective keeps its reward as N grows?", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+    return path
+
+
+def bias_figure(tb: dict, path: Path) -> Path | None:
+    plt = _plt()
+    bins = [b for b in tb["bins"] if b["tokens"]]
+    if not bins:
+        return None
+    names = [k.split("/")[0] for k in bins[0] if k.endswith("/bias")]
+    fig, ax = plt.subplots(figsize=(7, 3.8))
+    x = np.arange(len(bins))
+    width = 0.8 / len(names)
+    for i, name in enumerate(names):
+        ax.bar(x + (i - (len(names) - 1) / 2) * width, [b[f"{name}/bias"] for b in bins], width,
+               color=COLORS[i % len(COLORS)], label=name)
+    ax.axhline(0, color="k", lw=0.8)
+    ax.set_xticks(x, [f"π_old in {b['bin']}\n{b['tokens']} tokens" for b in bins], fontsize=7)
+    ax.set_ylabel("mean (w − ρ) per token")
+    ax.grid(axis="y", alpha=0.3)
+    ax.legend(fontsize=8)
+    ax.set_title("How far does each correction's weight fall from the exact IS weight, "
+                 "by token confidence?", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+    return path
+
+
+def make_figures(out: Path, meta: dict, summary: dict, figdir: Path) -> list[tuple[Path, str]]:
+    """All figures of the experiment: (path, the question its title states)."""
+    figs = []
+
+    def add(path, title):
+        if path is not None:
+            figs.append((path, title))
+
+    q = "Does the reward under each method follow the on-policy run (dashed)?"
+    add(curves_figure(out, meta, "reward/mean", "reward (running mean of 5)", q,
+                      figdir / "reward.png", smooth_w=5), q)
+    q = "Does held-out greedy accuracy under each method follow the on-policy run (dashed)?"
+    add(curves_figure(out, meta, "eval/accuracy", "held-out accuracy (greedy)", q,
+                      figdir / "accuracy.png"), q)
+    groups = summary["groups"]
+    name = meta["name"]
+    if name == "dlc":
+        q = "How far from the on-policy path does each method end, in on-policy seed-to-seed sigma?"
+        add(bars_figure(groups, [("reward_dev_sigma", "final reward"),
+                                 ("accuracy_dev_sigma", "final accuracy"),
+                                 ("probe_dev_sigma", "probe distribution")],
+                        "deviation (on-policy σ)", q, figdir / "deviation.png", hline=3.0), q)
+        q = "When does the staleness ESS fall below 0.5 (dotted), and does re-sync lift it?"
+        add(curves_figure(out, meta, "staleness/ess/token", "token ESS of π_θ/π_old", q,
+                          figdir / "ess.png", log_y=True, hline=0.5), q)
+        q = "What share of the current model's divergence from the generator sits on rare tokens?"
+        add(curves_figure(out, meta, "monitor/kl_share/rare", "KL share on tokens with μ < 0.05",
+                          q, figdir / "rare_share.png"), q)
+    if name == "cis":
+        q = "How much does each correction shrink the weights' (advantage-weighted) second moment?"
+        add(bars_figure([g for g in groups if g["scenario"] != "exact"],
+                        [("is_adv_second_moment", "raw ρ: E[ρ²A²]/E[A²]"),
+                         ("corr_adv_second_moment", "applied w: E[w²A²]/E[A²]"),
+                         ("is_second_moment", "raw ρ: E[ρ²]"),
+                         ("corr_second_moment", "applied w: E[w²]")],
+                        "second moment (1 = uncorrected)", q, figdir / "second_moment.png",
+                        hline=1.0), q)
+        if summary.get("truncation_bias"):
+            q = "How far does each correction's weight fall from the exact IS weight, by confidence?"
+            add(bias_figure(summary["truncation_bias"], figdir / "truncation_bias.png"), q)
+    if name == "vespo":
+        q = "Which objective keeps its reward as N grows?"
+        add(vespo_figure(groups, figdir / "reward_vs_N.png"), q)
+    return figs
+
+
+def _html_table(rows: list[dict], columns: list[tuple[str, str]]) -> str:
+    head = "".join(f"<th>{html.escape(h)}</th>" for _, h in columns)
+    body = []
+    for r in rows:
+        tds = []
+        for k, _ in columns:
+            std = r.get(k + "_std")
+            text = analysis.fmt(r.get(k)) + (f" ± {analysis.fmt(std)}"
+                                             if isinstance(std, float) and math.isfinite(std) else "")
+            tds.append(f"<td>{html.escape(text)}</td>")
+        body.append("<tr>" + "".join(tds) + "</tr>")
+    return f"<table><tr>{head}</tr>{''.join(body)}</table>"
+
+
+BIAS_COLUMNS = [("bin", "π_old bin"), ("tokens", "tokens"), ("rho_mean", "mean ρ"),
+                ("rho_second_moment", "E[ρ²]")]
+
+
+def _bias_columns(tb: dict) -> list[tuple[str, str]]:
+    names = [k.split("/")[0] for k in tb["bins"][0] if k.endswith("/bias")]
+    return BIAS_COLUMNS + [(f"{n}/bias", f"{n}: mean(w−ρ)") for n in names] + \
+        [(f"{n}/second_moment", f"{n}: E[w²]") for n in names]
+
+
+def build_report(out: str | Path, command: str | None = None) -> tuple[Path, Path, list[Path]]:
+    """Write OUT/report/{index.html, summary.md, *.png}; return (html, md, figure paths)."""
+    out = Path(out)
+    if not (out / "experiment.json").is_file():
+        raise ValueError(f"{out} is not an experiment directory (no experiment.json); "
+                         "run `tether experiment NAME --out DIR` first")
+    meta = analysis.load_meta(out)
+    summary = analysis.summarize(out)
+    module = get(meta["name"])
+    if meta["name"] == "cis":
+        summary["truncation_bias"] = module.truncation_bias(out)
+    figdir = out / "report"
+    figdir.mkdir(exist_ok=True)
+    figs = make_figures(out, meta, summary, figdir)
+    timing = json.loads((out / "timing.json").read_text()) if (out / "timing.json").is_file() else []
+    failed = json.loads((out / "failed.json").read_text()) if (out / "failed.json").is_file() else {}
+    groups = summary["groups"]
+    ref_line = (f"On-policy reference {meta['reference'][0]} x {meta['reference'][1]}: final reward "
+                f"{analysis.fmt(summary['reference_reward'])} (σ {analysis.fmt(summary['reference_reward_sigma'])}), "
+                f"final accuracy {analysis.fmt(summary['reference_accuracy'])} "
+                f"(σ {analysis.fmt(summary['reference_accuracy_sigma'])}).")
+    run_line = "; ".join(f"{t['cells_run']} cells in {t['wall_seconds']:.0f} s on {t['workers']} "
+                         f"worker(s)" for t in timing)
+    # Markdown.
+    md = [f"# Experiment {meta['name']}", "", f"**Question.** {meta['question']}", ""]
+    if command:
+        md += [f"Command: `{command}`", ""]
+    md += [f"Settings (every cell): `{' '.join(meta['base'])}`", "",
+           *[f"- {n}" for n in meta["notes"]], "", ref_line, "",
+           f"Runs: {run_line or 'none recorded'}. Failed cells: {len(failed)}.", "",
+           analysis.markdown_table(groups, module.COLUMNS), ""]
+    tb = summary.get("truncation_bias")
+    if tb:
+        caption = ("Truncation bias by confidence bin (starting model, bf16 generator; "
+                   f"{tb['definition']}):")
+        md += [caption, "", analysis.markdown_table(tb["bins"], _bias_columns(tb)), ""]
+    md += [f"![{title}]({p.name})" for p, title in figs]
+    md_path = figdir / "summary.md"
+    md_path.write_text("\n".join(md) + "\n")
+    # HTML, self-contained.
+    parts = [f"<h1>Experiment {html.escape(meta['name'])}</h1>",
+             f"<p><b>Question.</b> {html.escape(meta['question'])}</p>"]
+    if command:
+        parts.append(f"<p>Command: <code>{html.escape(command)}</code></p>")
+    parts += [f"<p>Settings (every cell): <code>{html.escape(' '.join(meta['base']))}</code></p>",
+              "<ul>" + "".join(f"<li>{html.escape(n)}</li>" for n in meta["notes"]) + "</ul>",
+              f"<p>{html.escape(ref_line)}</p>",
+              f"<p>Runs: {html.escape(run_line or 'none recorded')}. Failed cells: {len(failed)}.</p>",
+              _html_table(groups, module.COLUMNS)]
+    if tb:
+        parts += [f"<p>Truncation bias by confidence bin ({html.escape(tb['definition'])}):</p>",
+                  _html_table(tb["bins"], _bias_columns(tb))]
+    for p, title in figs:
+        data = base64.b64encode(p.read_bytes()).decode()
+        parts.append(f'<figure><img src="data:image/png;base64,{data}" alt="{html.escape(title)}">'
+                     f'<figcaption>{html.escape(title)} (<a href="{p.name}">{p.name}</a>)'
+                     f"</figcaption></figure>")
+    parts.append("<p>Definitions of every column: docs/experiments.md.</p>")
+    style = ("body{font-family:sans-serif;max-width:1100px;margin:2em auto}"
+             "table{border-collapse:collapse;font-size:12px}td,th{border:1px solid #ccc;"
+             "padding:2px 6px}img{max-width:100%}")
+    page = (f"<!doctype html><html><head><meta charset='utf-8'><title>tether experiment "
+            f"{html.escape(meta['name'])}</title><style>{style}</style></head><body>"
+            + "\n".join(parts) + "</body></html>")
+    html_path = figdir / "index.html"
+    html_path.write_text(page)
+    return html_path, md_path, [p for p, _ in figs]
