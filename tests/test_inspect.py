@@ -79,6 +79,8 @@ def test_dlc_run_logs_every_diagnostic(dlc_run):
                 "snapshots/count", "snapshots/bytes", "staleness/versions/batch", "loss/centering"):
         assert all(key in r for r in rows), key
     assert [r["staleness/versions/batch"] for r in rows][:2] == [0.0, 1.0]
+    # on_trip=train, one mini-batch: the policy decided on the logged ESS, to the bit.
+    assert all(r["sync/ess/token"] == r["staleness/ess/token"] for r in rows)
     assert rows[0]["numerical/k3_kl/mean"] > 0  # fp8
     assert rows[1]["staleness/k3_kl/mean"] > 0  # one version behind
 

@@ -108,21 +108,24 @@ def test_fp8_disagrees_more_than_bf16(warm):
     # The same fp32-sampled sequences, scored by each generator's numerics (teacher-forced).
     base, tokenizer, task = warm
     gen = HFGenerator(base, tokenizer.eos_token_id, tokenizer.pad_token_id, "fp32")
-    prompts = [encode_exact(tokenizer, task.train_problem(i).prompt) for i in range(PROMPTS)]
-    batch = collate(gen.generate(prompts, [str(i) for i in range(PROMPTS)], SAMPLING, seed=0),
+    n = 2 * PROMPTS
+    prompts = [encode_exact(tokenizer, task.train_problem(i).prompt) for i in range(n)]
+    batch = collate(gen.generate(prompts, [str(i) for i in range(n)], SAMPLING, seed=0),
                     tokenizer.pad_token_id)
     with torch.no_grad():
         logp_old, _ = token_logprobs(base, batch, SAMPLING)
-    k3, peak = {}, {}
+    k3, mean_abs = {}, {}
     for precision in ("bf16", "fp8"):
         apply_numerics(gen.model, base.state_dict(), precision)
         with torch.no_grad():
             logp_gen, _ = token_logprobs(gen.model, batch, SAMPLING)
-        m = mismatch_metrics(decompose(logp_gen, logp_old, None, batch.response_mask))
-        k3[precision], peak[precision] = m["numerical/k3_kl/mean"], m["numerical/abs_log_ratio/max"]
-    print("k3", k3, "max", peak)
+        d = decompose(logp_gen, logp_old, None, batch.response_mask)
+        k3[precision] = mismatch_metrics(d)["numerical/k3_kl/mean"]
+        mean_abs[precision] = float(d.log_rho.abs().sum() / d.mask.sum())
+    print("k3", k3, "mean |log rho|", mean_abs)
+    # Seen here: fp8 about 2x bf16 on both (3 mantissa bits on weights against 8 on all).
     assert k3["fp8"] > 1.3 * k3["bf16"] > 0
-    assert peak["fp8"] > peak["bf16"]
+    assert mean_abs["fp8"] > 1.3 * mean_abs["bf16"] > 0
 
 
 def test_fp8_quantizes_per_output_channel():

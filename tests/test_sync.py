@@ -198,7 +198,7 @@ def stale_batch(warm_model_dir):
     for _ in range(2):
         trainer.train_on(batch, adv, logp_old, topk)
     logp_now, _ = trainer.score_old(batch, model)
-    ess = float(ess_token(logp_now - logp_old, batch.response_mask))
+    ess = float(ess_token(logp_now.double() - logp_old.double(), batch.response_mask))
     assert trainer.version == 2 and 0.05 < ess < 0.999, ess
     return trainer, syncs, batch, (adv, logp_old, topk), ess
 

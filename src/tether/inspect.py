@@ -95,6 +95,9 @@ def summarize(rows: list[dict[str, Any]], cfg: dict[str, Any], tau: float | None
     line = f"reward/mean: first {k} steps {_fmt(_mean(rew[:k]))} -> last {k} {_fmt(_mean(rew[-k:]))}"
     if acc:
         line += f"   eval/accuracy: {acc[0]:.3f} (step {acc_steps[0]}) -> {acc[-1]:.3f} (step {acc_steps[-1]})"
+    _, sampled = series(rows, "eval/accuracy_sampled")
+    if sampled:
+        line += f"   sampled: {sampled[0]:.3f} -> {sampled[-1]:.3f}"
     out.append(line)
 
     # Decomposition by window: which cause dominates the k3 KL.
@@ -205,7 +208,7 @@ def plot(rows: list[dict[str, Any]], cfg: dict[str, Any], out_dir: Path,
         ax.set_ylabel(label + " (log; 0 drawn at 1e-12)")
         mark_syncs(ax)
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=8, loc="best")
+        ax.legend(fontsize=8, loc="best", framealpha=0.85)
     axes[0].set_title(f"Mismatch by cause: numerical (pi_old vs mu), staleness (pi_theta vs pi_old)\n{title}")
     axes[1].set_xlabel("step")
     save(fig, "decomposition.png")
@@ -226,7 +229,7 @@ def plot(rows: list[dict[str, Any]], cfg: dict[str, Any], out_dir: Path,
     ax.set_ylabel("normalised ESS")
     ax.set_title(f"Effective sample size and re-syncs\n{title}")
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=8, loc="lower left")
+    ax.legend(fontsize=8, loc="best", framealpha=0.85)
     ax = axes[1]
     s, v = series(train_rows, "staleness/versions/batch")
     if s:
@@ -250,11 +253,14 @@ def plot(rows: list[dict[str, Any]], cfg: dict[str, Any], out_dir: Path,
     s, v = series(rows, "eval/accuracy")
     if s:
         ax.plot(s, v, color="tab:green", marker="o", label="eval/accuracy (greedy, held out)")
+    s, v = series(rows, "eval/accuracy_sampled")
+    if s:
+        ax.plot(s, v, color="tab:olive", marker="^", ls=":", label="eval/accuracy_sampled (held out)")
     mark_syncs(ax)
     ax.set_ylabel("reward / accuracy")
     ax.set_title(f"Learning\n{title}")
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=8, loc="best")
+    ax.legend(fontsize=8, loc="best", framealpha=0.85)
     if m_steps:
         ax = axes[1][0]
         ax.plot(m_steps, m_k3, color="tab:brown", marker="o", label="k3 KL(pi_theta || generator)")

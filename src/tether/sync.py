@@ -318,7 +318,8 @@ class Synchronizer:
         else:
             rows = mask.shape[0] // self.minibatches
             logp_now, logp_old, mask = logp_trained[:rows], logp_old[:rows], mask[:rows]
-        return float(ess_token(logp_now - logp_old, mask))
+        # float64, as the diagnostics compute the logged staleness/ess/token
+        return float(ess_token(logp_now.double() - logp_old.double(), mask))
 
     def _record_ess(self, ess: float) -> bool:
         tripped = self.policy.trips(ess)
