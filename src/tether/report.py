@@ -13,11 +13,13 @@ import base64
 import html
 import json
 import math
+import textwrap
 from pathlib import Path
 
 import numpy as np
 
 from tether.experiments import analysis, get
+from tether.experiments.analysis import quiet_transformers as _quiet_transformers
 
 COLORS = ["#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#8c564b", "#e377c2", "#17becf"]
 
@@ -31,11 +33,20 @@ def _plt():
     return plt
 
 
-def _group_curves(out: Path, meta: dict, key: str, smooth_w: int = 0) -> dict:
-    """(scenario, method) -> (steps, mean, std) over seeds of `key`, on the steps all share."""
+def _wrap(title: str, width: int) -> str:
+    return "\n".join(textwrap.wrap(title, width))
+
+
+def _group_curves(out: Path, meta: dict, key: str, smooth_w: int = 0, log: bool = False) -> dict:
+    """(scenario, method) -> (steps, mean, std) over seeds of `key`, on the steps all share.
+
+    `log`: mean and std of log10 of the values (a geometric band for a log axis).
+    """
     runs: dict[tuple[str, str], list[tuple[np.ndarray, np.ndarray]]] = {}
     for c in meta["cells"]:
         s, v = analysis.series(analysis.cell_rows(out, c["name"]), key)
+        if log:
+            v = np.log10(np.maximum(v, 1e-12))
         if len(v):
             runs.setdefault((c["scenario"], c["method"]), []).append(
                 (s, analysis.smooth(v, smooth_w) if smooth_w else v))
@@ -61,35 +72,40 @@ def curves_figure(out: Path, meta: dict, key: str, ylabel: str, title: str, path
                   smooth_w: int = 0, log_y: bool = False, hline: float | None = None) -> Path | None:
     """One panel per scenario, one line per method, the on-policy reference dashed in each."""
     plt = _plt()
-    curves = _group_curves(out, meta, key, smooth_w)
+    curves = _group_curves(out, meta, key, smooth_w, log=log_y)
     if not curves:
         return None
+    if log_y:  # back from log10: geometric mean over seeds, band x/÷ the geometric std
+        curves = {g: (s, 10 ** m, 10 ** m, 10 ** (m - sd), 10 ** (m + sd))
+                  for g, (s, m, sd) in curves.items()}
+    else:
+        curves = {g: (s, m, sd, m - sd, m + sd) for g, (s, m, sd) in curves.items()}
     ref = tuple(meta["reference"])
     scenarios = list(dict.fromkeys(g[0] for g in curves))
     methods = list(dict.fromkeys(g[1] for g in curves))
     fig, axes = _panels(plt, len(scenarios))
     for ax, scen in zip(axes, scenarios):
         if ref in curves and scen != ref[0]:
-            s, m, sd = curves[ref]
+            s, m, _, lo, hi = curves[ref]
             ax.plot(s, m, "k--", lw=1.2, label=f"on-policy ({ref[0]}, {ref[1]})")
-            ax.fill_between(s, m - sd, m + sd, color="k", alpha=0.08)
+            ax.fill_between(s, lo, hi, color="k", alpha=0.08)
         for i, meth in enumerate(methods):
             if (scen, meth) not in curves:
                 continue
-            s, m, sd = curves[(scen, meth)]
+            s, m, _, lo, hi = curves[(scen, meth)]
             color = COLORS[i % len(COLORS)]
             ax.plot(s, m, color=color, lw=1.6, marker="." if len(s) < 8 else None, label=meth)
-            ax.fill_between(s, m - sd, m + sd, color=color, alpha=0.18)
+            ax.fill_between(s, lo, hi, color=color, alpha=0.18)
         if hline is not None:
             ax.axhline(hline, color="grey", lw=0.8, ls=":")
         if log_y:
             ax.set_yscale("log")
         ax.set_title(f"generator / setting: {scen}", fontsize=9)
         ax.set_xlabel("RL step")
-        ax.set_ylabel(ylabel)
+        ax.set_ylabel(ylabel + (" (geometric mean)" if log_y else ""))
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
-    fig.suptitle(title, fontsize=10)
+    fig.suptitle(_wrap(title, 40 * min(len(scenarios), 3)), fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=90)
     plt.close(fig)
@@ -119,7 +135,7 @@ def bars_figure(groups: list[dict], keys: list[tuple[str, str]], ylabel: str, ti
         ax.set_yscale("log")
     ax.grid(axis="y", alpha=0.3)
     ax.legend(fontsize=8)
-    ax.set_title(title, fontsize=10)
+    ax.set_title(_wrap(title, 75), fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=90)
     plt.close(fig)
@@ -142,6 +158,8 @@ def vespo_figure(groups: list[dict], path: Path) -> Path | None:
             ax.scatter(*zip(*bad), marker="x", s=90, color="red", zorder=5)
     ax.scatter([], [], marker="x", color="red", label="collapsed (reward < half its best)")
     ax.set_xscale("log", base=2)
+    ax.set_xticks(sorted({int(g["scenario"][1:]) for g in groups}))
+    ax.get_xaxis().set_major_formatter(plt.ScalarFormatter())
     ax.set_xlabel("staleness N (optimizer steps per rollout batch)")
     ax.set_ylabel("final reward (mean of last quarter)")
     ax.grid(alpha=0.3)
@@ -170,8 +188,8 @@ def bias_figure(tb: dict, path: Path) -> Path | None:
     ax.set_ylabel("mean (w − ρ) per token")
     ax.grid(axis="y", alpha=0.3)
     ax.legend(fontsize=8)
-    ax.set_title("How far does each correction's weight fall from the exact IS weight, "
-                 "by token confidence?", fontsize=9)
+    ax.set_title(_wrap("How far does each correction's weight fall from the exact IS weight, "
+                       "by token confidence?", 75), fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=90)
     plt.close(fig)
@@ -250,6 +268,10 @@ def _bias_columns(tb: dict) -> list[tuple[str, str]]:
 
 def build_report(out: str | Path, command: str | None = None) -> tuple[Path, Path, list[Path]]:
     """Write OUT/report/{index.html, summary.md, *.png}; return (html, md, figure paths)."""
+    import torch
+
+    torch.set_num_threads(1)  # tiny models: a second thread only contends
+    _quiet_transformers()
     out = Path(out)
     if not (out / "experiment.json").is_file():
         raise ValueError(f"{out} is not an experiment directory (no experiment.json); "

@@ -1,0 +1,285 @@
+"""Shared analysis of an experiment directory: per-cell numbers, per-group tables, probe KL.
+
+Definitions (also in docs/experiments.md):
+- final reward: mean `reward/mean` over the last W = max(1, steps // 4) steps (one step is
+  noisy); final accuracy: the last `eval/accuracy` (greedy, held-out).
+- on-policy sigma: the sample standard deviation (ddof 1) of the reference group's per-seed
+  final value; needs >= 2 reference seeds, otherwise the deviations are NaN.
+- deviation in sigma (reward or accuracy): |mean over the group's seeds - reference mean|
+  / on-policy sigma.
+- probe distance: every final model scores a fixed probe set (held-out prompts with one
+  response each, sampled once from the starting model, `OUT/probe.pt`); D(a, b) = mean over
+  response tokens of KL(p_a || p_b) over the whole vocabulary. A cell's probe deviation is
+  sqrt(mean_j D(ref_j, cell) / mean_{j != k} D(ref_j, ref_k)): KL grows like a squared
+  distance, so the square root reads as "on-policy seed-to-seed spreads". NaN with < 2
+  reference seeds.
+- ESS < 0.5 step: first step whose `staleness/ess/token` < 0.5 (None: never).
+- rare-token share: the largest `monitor/kl_share/rare` seen (the current-model monitor).
+- collapse: the smoothed reward (running mean over 5 steps) ends below half its best.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from tether.logger import read_jsonl
+
+PROBE_PROMPTS = 64
+
+
+def quiet_transformers() -> None:
+    """No per-model progress bars or advisories: a matrix loads dozens of tiny models."""
+    import transformers
+
+    transformers.utils.logging.disable_progress_bar()
+    transformers.utils.logging.set_verbosity_error()
+
+
+def load_meta(out: Path) -> dict:
+    return json.loads((Path(out) / "experiment.json").read_text())
+
+
+def cell_rows(out: Path, name: str) -> list[dict]:
+    path = Path(out) / "cells" / name / "metrics.jsonl"
+    return read_jsonl(path) if path.is_file() else []
+
+
+def series(rows: list[dict], key: str) -> tuple[np.ndarray, np.ndarray]:
+    """(steps, values) of the rows that hold a finite `key`."""
+    pts = [(r["step"], float(r[key])) for r in rows
+           if key in r and isinstance(r[key], (int, float)) and math.isfinite(float(r[key]))]
+    if not pts:
+        return np.zeros(0), np.zeros(0)
+    s, v = zip(*pts)
+    return np.asarray(s), np.asarray(v)
+
+
+def smooth(v: np.ndarray, w: int = 5) -> np.ndarray:
+    """Trailing running mean over up to `w` values."""
+    c = np.cumsum(np.insert(v, 0, 0.0))
+    idx = np.arange(1, len(v) + 1)
+    lo = np.maximum(idx - w, 0)
+    return (c[idx] - c[lo]) / (idx - lo)
+
+
+def _first_below(rows: list[dict], key: str, tau: float) -> int | None:
+    s, v = series(rows, key)
+    hit = np.nonzero(v < tau)[0]
+    return int(s[hit[0]]) if len(hit) else None
+
+
+def _mean(rows: list[dict], key: str) -> float:
+    _, v = series(rows, key)
+    return float(v.mean()) if len(v) else float("nan")
+
+
+def cell_stats(rows: list[dict]) -> dict[str, float | int | None]:
+    """The per-cell numbers every experiment reports (definitions: module docstring)."""
+    reward_steps, reward = series(rows, "reward/mean")
+    _, acc = series(rows, "eval/accuracy")
+    _, rare = series(rows, "monitor/kl_share/rare")
+    _, ess = series(rows, "staleness/ess/token")
+    w = max(1, len(reward) // 4)
+    sm = smooth(reward) if len(reward) else reward
+    best = float(sm.max()) if len(sm) else float("nan")
+    collapse_at = None
+    if len(sm):
+        peak = int(sm.argmax())
+        below = np.nonzero(sm[peak:] < 0.5 * best)[0]
+        collapse_at = int(reward_steps[peak + below[0]]) if len(below) else None
+    return {
+        "steps": len(reward),
+        "final_reward": float(reward[-w:].mean()) if len(reward) else float("nan"),
+        "best_reward_smoothed": best,
+        "collapsed": bool(len(sm) and sm[-1] < 0.5 * best),
+        "collapse_step": collapse_at,
+        "accuracy_start": float(acc[0]) if len(acc) else float("nan"),
+        "final_accuracy": float(acc[-1]) if len(acc) else float("nan"),
+        "ess_below_0.5_step": _first_below(rows, "staleness/ess/token", 0.5),
+        "min_ess": float(ess.min()) if len(ess) else float("nan"),
+        "rare_kl_share_max": float(rare.max()) if len(rare) else float("nan"),
+        "resyncs": int(sum(r.get("sync/tripped", 0) for r in rows)),
+        "is_second_moment": _mean(rows, "numerical/is_weight/second_moment"),
+        "is_adv_second_moment": _mean(rows, "numerical/is_weight/adv_second_moment"),
+        "corr_second_moment": _mean(rows, "correction/weight/second_moment"),
+        "corr_adv_second_moment": _mean(rows, "correction/weight/adv_second_moment"),
+        "numerical_k3": _mean(rows, "numerical/k3_kl/mean"),
+        "step_seconds": _mean(rows, "time/step"),
+    }
+
+
+# -- the probe set: output-distribution distance between final models ---------------------
+
+@torch.no_grad()
+def make_probe(out: Path, model_path: str, max_new_tokens: int, seed: int = 1234) -> dict:
+    """Held-out prompts with one response each, sampled from the starting model; cached."""
+    path = Path(out) / "probe.pt"
+    if path.is_file():
+        return torch.load(path)
+    from tether.config import load_config
+    from tether.models import load_model
+    from tether.models.tokenizer import encode_exact
+    from tether.rollout.hf import HFGenerator
+    from tether.rollout.types import SamplingParams
+    from tether.tasks import build_task
+    from tether.trainer import collate
+
+    meta = load_meta(out)
+    cfg = load_config(None, meta["base"])
+    task = build_task(cfg.task.name, **cfg.task.model_dump(exclude={"name"}))
+    model, tok = load_model(model_path)
+    problems = task.eval_problems()[:PROBE_PROMPTS]
+    gen = HFGenerator(model, tok.eos_token_id, tok.pad_token_id, "fp32")
+    ro = gen.generate([encode_exact(tok, p.prompt) for p in problems], [p.id for p in problems],
+                      SamplingParams(n=1, max_new_tokens=max_new_tokens), seed=seed)
+    b = collate(ro, tok.pad_token_id)
+    probe = {"input_ids": b.input_ids, "attention_mask": b.attention_mask,
+             "response_mask": b.response_mask, "prompt_len": b.prompt_len}
+    torch.save(probe, path)
+    return probe
+
+
+@torch.no_grad()
+def probe_logp(model_dir: Path, probe: dict) -> torch.Tensor:
+    """(B, T, V) log-probs of a final model at every probe response position."""
+    from tether.models import load_model
+
+    model, _ = load_model(model_dir)
+    model.eval()
+    am = probe["attention_mask"]
+    P, T = probe["prompt_len"], probe["response_mask"].shape[1]
+    logits = model(input_ids=probe["input_ids"], attention_mask=am,
+                   position_ids=(am.cumsum(-1) - 1).clamp(min=0)).logits[:, P - 1:P + T - 1]
+    return torch.log_softmax(logits.float(), -1)
+
+
+def probe_kl(a: torch.Tensor, b: torch.Tensor, mask: torch.Tensor) -> float:
+    """D(a, b): mean over response tokens of KL(p_a || p_b), full vocabulary."""
+    kl = (a.exp() * (a - b)).sum(-1)  # (B, T)
+    return float((kl * mask).sum() / mask.sum())
+
+
+def cached_probe_logp(out: Path, name: str, probe: dict) -> torch.Tensor | None:
+    d = Path(out) / "cells" / name
+    cache = d / "probe_logp.pt"
+    if cache.is_file():
+        return torch.load(cache)
+    if not (d / "final" / "config.json").is_file():
+        return None
+    lp = probe_logp(d / "final", probe)
+    torch.save(lp, cache)
+    return lp
+
+
+# -- the summary: per cell and per (scenario, method) group --------------------------------
+
+def _mean_std(values: list[float]) -> tuple[float, float]:
+    v = [x for x in values if x is not None and math.isfinite(x)]
+    if not v:
+        return float("nan"), float("nan")
+    return float(np.mean(v)), float(np.std(v, ddof=1)) if len(v) > 1 else float("nan")
+
+
+def summarize(out: Path, probe_tokens: int = 16) -> dict:
+    """Per-cell and per-group numbers with deviations from the on-policy reference.
+
+    Writes OUT/cells.csv, OUT/summary.csv and OUT/summary.json; returns the summary.
+    """
+    out = Path(out)
+    meta = load_meta(out)
+    ref = tuple(meta["reference"])
+    cells = {}
+    for c in meta["cells"]:
+        rows = cell_rows(out, c["name"])
+        if rows:
+            cells[c["name"]] = {"scenario": c["scenario"], "method": c["method"],
+                                "seed": c["seed"], **cell_stats(rows)}
+    # Probe distances to the reference's final models.
+    probe = make_probe(out, meta["model_path"], probe_tokens)
+    mask = probe["response_mask"]
+    lps = {n: cached_probe_logp(out, n, probe) for n in cells}
+    ref_names = [n for n, c in cells.items() if (c["scenario"], c["method"]) == ref and lps[n] is not None]
+    pair = [probe_kl(lps[a], lps[b], mask) for a in ref_names for b in ref_names if a != b]
+    ref_spread = float(np.mean(pair)) if pair else float("nan")
+    for n, c in cells.items():
+        others = [r for r in ref_names if r != n]
+        d = [probe_kl(lps[r], lps[n], mask) for r in others] if lps[n] is not None else []
+        c["probe_kl_to_ref"] = float(np.mean(d)) if d else float("nan")
+    # Group by (scenario, method): mean and std over seeds; deviations in on-policy sigma.
+    ref_cells = [c for c in cells.values() if (c["scenario"], c["method"]) == ref]
+    ref_r, sig_r = _mean_std([c["final_reward"] for c in ref_cells])
+    ref_a, sig_a = _mean_std([c["final_accuracy"] for c in ref_cells])
+    groups = []
+    for scen, meth in dict.fromkeys((c["scenario"], c["method"]) for c in cells.values()):
+        members = [c for c in cells.values() if c["scenario"] == scen and c["method"] == meth]
+        g = {"scenario": scen, "method": meth, "seeds": len(members)}
+        for key in ("final_reward", "final_accuracy", "min_ess", "rare_kl_share_max",
+                    "resyncs", "is_second_moment", "is_adv_second_moment",
+                    "corr_second_moment", "corr_adv_second_moment", "numerical_k3",
+                    "step_seconds", "probe_kl_to_ref", "best_reward_smoothed"):
+            g[key], g[key + "_std"] = _mean_std([m[key] for m in members])
+        steps = [m["ess_below_0.5_step"] for m in members]
+        g["ess_below_0.5_step"] = min((s for s in steps if s is not None), default=None)
+        g["collapsed"] = sum(m["collapsed"] for m in members)
+        g["reward_dev_sigma"] = abs(g["final_reward"] - ref_r) / sig_r if sig_r > 0 else float("nan")
+        g["accuracy_dev_sigma"] = abs(g["final_accuracy"] - ref_a) / sig_a if sig_a > 0 else float("nan")
+        g["probe_dev_sigma"] = (math.sqrt(g["probe_kl_to_ref"] / ref_spread)
+                                if ref_spread > 0 and math.isfinite(g["probe_kl_to_ref"]) else float("nan"))
+        groups.append(g)
+    summary = {"experiment": meta["name"], "reference": list(ref), "reference_reward": ref_r,
+               "reference_reward_sigma": sig_r, "reference_accuracy": ref_a,
+               "reference_accuracy_sigma": sig_a, "reference_probe_kl_spread": ref_spread,
+               "cells": cells, "groups": groups}
+    (out / "summary.json").write_text(json.dumps(summary, indent=1, default=_json))
+    write_csv(out / "cells.csv", [{"cell": n, **c} for n, c in cells.items()])
+    write_csv(out / "summary.csv", groups)
+    return summary
+
+
+def _json(v):
+    return None if v is None else float(v)
+
+
+def write_csv(path: Path, rows: list[dict]) -> None:
+    if not rows:
+        path.write_text("")
+        return
+    keys = list(dict.fromkeys(k for r in rows for k in r))
+    with open(path, "w", newline="") as f:
+        w = csv.DictWriter(f, keys)
+        w.writeheader()
+        w.writerows(rows)
+
+
+def fmt(v, digits: int = 3) -> str:
+    """A table cell: NaN/None as 'n/a'."""
+    if v is None:
+        return "-"
+    if isinstance(v, float):
+        if not math.isfinite(v):
+            return "n/a"
+        if v != 0 and abs(v) < 0.01:
+            return f"{v:.2e}"
+        return f"{v:.{digits}g}" if abs(v) >= 100 else f"{v:.{digits}f}"
+    return str(v)
+
+
+def markdown_table(rows: list[dict], columns: list[tuple[str, str]]) -> str:
+    """`columns`: (key, header). Keys ending in a '±' pair show mean ± std."""
+    head = "| " + " | ".join(h for _, h in columns) + " |"
+    sep = "|" + "|".join("---" for _ in columns) + "|"
+    lines = [head, sep]
+    for r in rows:
+        cells = []
+        for k, _ in columns:
+            v = r.get(k)
+            std = r.get(k + "_std")
+            cells.append(fmt(v) + (f" ± {fmt(std)}" if isinstance(std, float) and math.isfinite(std) else ""))
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)

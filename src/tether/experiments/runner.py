@@ -1,0 +1,152 @@
+"""Run an experiment's matrix of cells (scenario x method x seed), in parallel, resumably.
+
+Each cell is one `tether.loop.train(cfg)` run in its own directory `OUT/cells/<name>`,
+in a worker process with one torch thread. A cell is done when its directory holds
+`done.json` (written after `train` returns, next to `final/`); a rerun skips done cells,
+resumes a cell that has a checkpoint and restarts one that has neither. The parent
+resolves (builds or finds) the starting model once, so workers never race to build it.
+
+What it simplifies: cells run to completion or fail on their own (a failed cell is
+recorded in `OUT/failed.json` with its error and does not stop the others).
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing as mp
+import shutil
+import time
+import traceback
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from tether.experiments.analysis import quiet_transformers as _quiet_transformers
+
+
+@dataclass(frozen=True)
+class Cell:
+    """One run of the matrix: a scenario (the generator), a method (the estimator), a seed."""
+
+    scenario: str
+    method: str
+    seed: int
+    overrides: tuple[str, ...]  # dotted key=value, applied after the experiment's base
+
+    @property
+    def name(self) -> str:
+        return f"{self.scenario}__{self.method}__s{self.seed}"
+
+
+@dataclass
+class Experiment:
+    """A named matrix with its shared settings and the group that is the on-policy reference."""
+
+    name: str
+    question: str  # the one question the experiment answers
+    base: list[str]  # overrides shared by every cell
+    cells: list[Cell]
+    reference: tuple[str, str]  # (scenario, method) of the on-policy runs
+    notes: list[str] = field(default_factory=list)  # departures from the paper, stated
+
+    def groups(self) -> list[tuple[str, str]]:
+        seen: dict[tuple[str, str], None] = {}
+        for c in self.cells:
+            seen[(c.scenario, c.method)] = None
+        return list(seen)
+
+
+def cell_dir(out: Path, cell: Cell) -> Path:
+    return Path(out) / "cells" / cell.name
+
+
+def is_done(out: Path, cell: Cell) -> bool:
+    return (cell_dir(out, cell) / "done.json").is_file()
+
+
+def _run_cell(job: tuple[list[str], str]) -> tuple[str, float, str | None]:
+    """Worker: train one cell (resume if it has a checkpoint). Returns (dir, seconds, error)."""
+    overrides, run_dir = job
+    t0 = time.perf_counter()
+    try:
+        import torch
+
+        torch.set_num_threads(1)
+        _quiet_transformers()
+        from tether.checkpoint import list_checkpoints
+        from tether.config import load_config
+        from tether.loop import train
+
+        d = Path(run_dir)
+        resume = d.is_dir() and bool(list_checkpoints(d))
+        if d.is_dir() and not resume:
+            shutil.rmtree(d)  # a start that never reached a checkpoint: begin again
+        cfg = load_config(None, overrides + [f"run.dir={run_dir}", "run.progress=false",
+                                              "run.threads=1"])
+        result = train(cfg, resume=resume)
+        seconds = time.perf_counter() - t0
+        (d / "done.json").write_text(json.dumps({
+            "seconds": seconds, "accuracy_before": result.accuracy_before,
+            "accuracy_after": result.accuracy_after, "resumed": resume}))
+        return run_dir, seconds, None
+    except Exception:  # noqa: BLE001 - one failed cell must not stop the matrix; see failed.json
+        return run_dir, time.perf_counter() - t0, traceback.format_exc(limit=4)
+
+
+def resolve_start_model(base: list[str], model_path: str | None) -> str:
+    """The starting model every cell loads: `model_path`, or the default one built once here."""
+    if model_path:
+        return str(Path(model_path).expanduser())
+    from tether.config import load_config
+    from tether.loop import resolve_model_path
+
+    return str(resolve_model_path(load_config(None, base)))
+
+
+def run_experiment(exp: Experiment, out: str | Path, workers: int = 2,
+                   model_path: str | None = None, log=print) -> dict:
+    """Run every cell of `exp` not yet done into `out`; write experiment.json; return timing."""
+    import torch
+
+    torch.set_num_threads(1)  # the parent builds the model and the probe: one thread, as the cells
+    _quiet_transformers()
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    previous = out / "experiment.json"
+    if previous.is_file():  # finished cells are only reusable under the same settings
+        old = json.loads(previous.read_text())
+        if (old["name"], old["base"]) != (exp.name, exp.base):
+            raise ValueError(f"{out} holds experiment {old['name']!r} with other settings "
+                             f"({' '.join(old['base'])}); choose another --out")
+        # A slice (--only, --seeds) run into the same directory adds to the cells reported.
+        known = {c.name for c in exp.cells}
+        earlier = [Cell(c["scenario"], c["method"], c["seed"], tuple(c["overrides"]))
+                   for c in old["cells"] if c["name"] not in known]
+        exp.cells = earlier + exp.cells
+    start_model = resolve_start_model(exp.base, model_path)
+    meta = {"name": exp.name, "question": exp.question, "base": exp.base,
+            "reference": list(exp.reference), "notes": exp.notes, "model_path": start_model,
+            "cells": [asdict(c) | {"name": c.name} for c in exp.cells]}
+    (out / "experiment.json").write_text(json.dumps(meta, indent=1))
+    todo = [c for c in exp.cells if not is_done(out, c)]
+    log(f"{exp.name}: {len(exp.cells)} cells, {len(exp.cells) - len(todo)} done, "
+        f"{len(todo)} to run on {min(workers, max(len(todo), 1))} worker(s)")
+    jobs = [(exp.base + list(c.overrides) + [f"model.path={start_model}", f"run.seed={c.seed}"],
+             str(cell_dir(out, c))) for c in todo]
+    t0 = time.perf_counter()
+    failed = {}
+    if jobs:
+        ctx = mp.get_context("spawn")  # fresh interpreters: no torch thread pools inherited
+        with ctx.Pool(min(workers, len(jobs)), maxtasksperchild=None) as pool:
+            for i, (run_dir, seconds, error) in enumerate(pool.imap_unordered(_run_cell, jobs), 1):
+                name = Path(run_dir).name
+                status = "FAILED" if error else "done"
+                log(f"  [{i}/{len(jobs)}] {name}: {status} in {seconds:.0f} s")
+                if error:
+                    failed[name] = error
+    wall = time.perf_counter() - t0
+    (out / "failed.json").write_text(json.dumps(failed, indent=1))
+    timing = {"wall_seconds": wall, "cells_run": len(jobs), "cells_failed": len(failed),
+              "workers": workers}
+    history = json.loads((out / "timing.json").read_text()) if (out / "timing.json").is_file() else []
+    (out / "timing.json").write_text(json.dumps(history + [timing], indent=1))
+    return timing

@@ -1,0 +1,124 @@
+"""The experiments (`tether experiment NAME --quick`) and `tether report`, end to end.
+
+Each quick variant runs its reduced matrix into a tmp dir, must write its tables, must skip
+every cell when run again, and its report must reference only figures that exist.
+"""
+
+from __future__ import annotations
+
+import base64
+import csv
+import json
+import re
+import time
+
+import pytest
+
+from tether.cli import main
+from tether.experiments import analysis, get
+from tether.models import ensure_default_model
+
+from .conftest import TEST_CACHE
+
+MOE_WARMSTART_STEPS = 20  # enough for a smoke run; the full experiment warm-starts 200
+
+
+@pytest.fixture(scope="session")
+def moe_model_dir():
+    return ensure_default_model(TEST_CACHE, moe=True, seed=0, warmstart_steps=MOE_WARMSTART_STEPS,
+                                task_kwargs={"use_all": True}, verbose=False)
+
+
+@pytest.mark.parametrize("name", ["dlc", "cis", "vespo"])
+def test_quick_experiment_tables_resume_and_report(name, tmp_path, warm_model_dir, moe_model_dir):
+    out = tmp_path / name
+    model = moe_model_dir if name == "cis" else warm_model_dir
+    args = ["experiment", name, "--quick", "--out", str(out), "--model", str(model)]
+    assert main(args) == 0
+    exp = get(name).build(quick=True)
+    with open(out / "summary.csv") as f:
+        groups = list(csv.DictReader(f))
+    assert {(g["scenario"], g["method"]) for g in groups} == set(exp.groups())
+    for cell in exp.cells:
+        d = out / "cells" / cell.name
+        assert (d / "done.json").is_file() and (d / "final" / "config.json").is_file()
+        rows = [json.loads(line) for line in (d / "metrics.jsonl").read_text().splitlines()]
+        assert rows[-1]["step"] == int(dict(o.split("=") for o in exp.base)["train.steps"])
+    assert json.loads((out / "failed.json").read_text()) == {}
+
+    # Resumable: a second run finds every cell done and runs none.
+    t0 = time.perf_counter()
+    assert main(args) == 0
+    timing = json.loads((out / "timing.json").read_text())
+    assert timing[-1]["cells_run"] == 0 and len(timing) == 2
+    assert time.perf_counter() - t0 < 30
+
+    # The report: every figure the HTML links exists, every embedded image is a PNG.
+    assert main(["report", str(out)]) == 0
+    page = (out / "report" / "index.html").read_text()
+    linked = re.findall(r'href="([^"]+\.png)"', page)
+    embedded = re.findall(r'src="data:image/png;base64,([^"]+)"', page)
+    assert len(linked) == len(embedded) >= 2
+    for fname in linked:
+        assert (out / "report" / fname).is_file()
+    for data in embedded:
+        assert base64.b64decode(data)[:8] == b"\x89PNG\r\n\x1a\n"
+    md = (out / "report" / "summary.md").read_text()
+    for fname in re.findall(r"!\[[^\]]*\]\(([^)]+)\)", md):
+        assert (out / "report" / fname).is_file()
+    assert "| " + exp.reference[0] + " |" in md  # the table, with the reference group's row
+
+
+def test_cell_stats_by_hand():
+    # Reward rises to 0.5 then falls to 0.1: the 5-step running mean peaks at step 5 (0.42)
+    # and ends at (0.5+0.3+0.2+0.1+0.1)/5 = 0.24 >= 0.42 / 2: not collapsed. With 3 more
+    # steps at 0 it ends at (0.1+0.1+0+0+0)/5 = 0.04: collapsed, first below 0.21 at step 10.
+    reward = [0.3, 0.4, 0.4, 0.5, 0.5, 0.3, 0.2, 0.1, 0.1]
+    ess = [1.0, 0.9, 0.6, 0.4, 0.7, 0.3, 0.9, 0.9, 0.9]
+    rows = [{"step": 0, "eval/accuracy": 0.5}]
+    rows += [{"step": i + 1, "reward/mean": r, "staleness/ess/token": e}
+             for i, (r, e) in enumerate(zip(reward, ess))]
+    rows[-1]["eval/accuracy"] = 0.25
+    s = analysis.cell_stats(rows)
+    assert s["ess_below_0.5_step"] == 4 and s["min_ess"] == pytest.approx(0.3)
+    assert s["final_reward"] == pytest.approx(0.1)  # mean of the last W = 9 // 4 = 2 steps
+    assert s["best_reward_smoothed"] == pytest.approx(0.42)
+    assert not s["collapsed"] and s["final_accuracy"] == 0.25 and s["accuracy_start"] == 0.5
+    rows += [{"step": 10 + i, "reward/mean": 0.0} for i in range(3)]
+    s = analysis.cell_stats(rows)
+    assert s["collapsed"] and s["collapse_step"] == 10  # mean of (0.3,0.2,0.1,0.1,0) = 0.14
+
+
+def test_probe_kl_is_zero_on_itself_and_positive_otherwise():
+    import torch
+
+    a = torch.log_softmax(torch.tensor([[[0.0, 1.0, 2.0]]]), -1)
+    b = torch.log_softmax(torch.tensor([[[2.0, 1.0, 0.0]]]), -1)
+    mask = torch.ones(1, 1)
+    assert analysis.probe_kl(a, a, mask) == pytest.approx(0.0, abs=1e-7)
+    p = a.exp()[0, 0]
+    expected = float((p * (a[0, 0] - b[0, 0])).sum())  # KL(p_a || p_b) by its definition
+    assert analysis.probe_kl(a, b, mask) == pytest.approx(expected)
+
+
+def test_only_rejects_unknown_groups(tmp_path, capsys):
+    assert main(["experiment", "dlc", "--quick", "--out", str(tmp_path), "--only", "fp8:nope"]) == 2
+    err = capsys.readouterr().err
+    assert "unknown group" in err and "exact:naive" in err
+
+
+def test_full_matrices_are_the_documented_ones():
+    dlc = get("dlc").build()
+    assert len(dlc.groups()) == 19 and len(dlc.cells) == 57  # duplicates skipped, 3 seeds
+    vespo = get("vespo").build()
+    assert {c.scenario for c in vespo.cells} == {f"N{n}" for n in (1, 4, 8, 16, 32, 64)}
+    assert len(vespo.groups()) == 36
+    cis = get("cis").build()
+    assert cis.groups() == [("exact", "none"), ("bf16", "none"), ("bf16", "tis"), ("bf16", "mis"),
+                            ("bf16", "cis")]
+
+
+def test_an_out_dir_is_not_reused_under_other_settings(tmp_path, capsys):
+    (tmp_path / "experiment.json").write_text(json.dumps({"name": "vespo", "base": ["x=1"]}))
+    assert main(["experiment", "vespo", "--quick", "--out", str(tmp_path)]) == 2
+    assert "other settings" in capsys.readouterr().err
