@@ -90,3 +90,27 @@ def test_same_seed_same_rollouts(random_model, tokenizer):
     a = gen.generate(PROMPTS, ["a", "b", "c"], sampling, seed=7)
     b = gen.generate(PROMPTS, ["a", "b", "c"], sampling, seed=7)
     assert [r.response_ids for r in a] == [r.response_ids for r in b]
+
+
+@pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"])
+def test_micro_batching_gives_the_whole_batch_gradient(random_model, tokenizer, agg):
+    import copy
+
+    from tether.config import TrainConfig
+    from tether.trainer import Trainer, group_advantages
+
+    sampling = SamplingParams(n=4, max_new_tokens=8)
+    gen = HFGenerator(random_model, tokenizer.eos_token_id, tokenizer.pad_token_id, "fp32")
+    batch = collate(gen.generate(PROMPTS, ["a", "b", "c"], sampling, seed=5), tokenizer.pad_token_id)
+    batch.rewards = torch.arange(12.0) % 3  # varied rewards, so advantages are nonzero
+    adv = group_advantages(batch.rewards, batch.group_ids, std_norm=True)
+    grads = []
+    for micro in (12, 5):  # one micro-batch vs three unequal ones (lengths differ per row)
+        model = copy.deepcopy(random_model)
+        cfg = TrainConfig(estimator="grpo", estimator_params={"agg": agg}, micro_batch=micro,
+                          lr=1e-3)
+        trainer = Trainer(model, cfg, sampling)
+        logp_old, _ = trainer.score_old(batch, model)
+        trainer.train_on(batch, adv, logp_old, None)
+        grads.append(torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None]))
+    assert torch.allclose(grads[0], grads[1], atol=1e-6, rtol=1e-4)

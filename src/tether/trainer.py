@@ -192,7 +192,7 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         B = batch.input_ids.shape[0]
         # Micro-batch losses are re-weighted so their sum equals the loss on the whole slice.
-        token_mean = getattr(self.estimator, "agg", "token-mean") == "token-mean"
+        token_mean = self.estimator.params["agg"] == "token-mean"
         total = batch.response_mask.sum().clamp(min=1) if token_mean else B
         sums: dict[str, float] = {}
         loss_sum, bad = 0.0, None
@@ -200,7 +200,7 @@ class Trainer:
             sl = slice(i, i + self.cfg.micro_batch)
             micro = batch.select(sl)
             logp, topk_logp = token_logprobs(self.model, micro, self.sampling)
-            getattr(self, "_logp_parts", []).append(logp.detach())
+            self._logp_parts.append(logp.detach())
             # Guard: a non-finite input or log-prob would poison the weights; one host sync.
             bad = first_nonfinite({"logp_old": logp_old[sl], "logp_rollout": micro.logp_rollout,
                                    "advantages": advantages[sl], "logp": logp, "topk_logp": topk_logp},
