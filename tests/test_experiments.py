@@ -114,8 +114,9 @@ def test_full_matrices_are_the_documented_ones():
     assert {c.scenario for c in vespo.cells} == {f"N{n}" for n in (1, 4, 8, 16, 32, 64)}
     assert len(vespo.groups()) == 36
     cis = get("cis").build()
-    assert cis.groups() == [("exact", "none"), ("bf16", "none"), ("bf16", "tis"), ("bf16", "mis"),
-                            ("bf16", "cis")]
+    assert cis.groups() == [("exact", "none")] + [(g, m) for g in ("bf16", "bf16_route")
+                                                  for m in ("none", "tis", "mis", "cis")]
+    assert len(cis.cells) == 27
 
 
 def test_an_out_dir_is_not_reused_under_other_settings(tmp_path, capsys):

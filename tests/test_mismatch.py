@@ -156,3 +156,38 @@ def test_moe_router_in_generator_numerics_moves_tokens(precision, expect_zero):
     else:
         assert m["numerical/routing_disagreement/mean"] > 0.0
         assert m["numerical/routing_disagreement/any_layer"] >= m["numerical/routing_disagreement/mean"]
+
+
+def _moe_batch(moe, precision: str, router_noise: float, seed: int = 0):
+    gen = HFGenerator(moe, 1, 0, precision, router_noise)
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(2, 21, (6,), generator=g).tolist() for _ in range(16)]
+    batch = collate(gen.generate(prompts, [str(i) for i in range(16)],
+                                 SamplingParams(n=4, max_new_tokens=16), seed=seed), 0)
+    return gen, batch
+
+
+def test_router_noise_reroutes_tokens_at_equal_weights_reproducibly():
+    moe = build_tiny_model(21, moe=True, seed=0)
+    rates, k3 = {}, {}
+    for std in (0.0, 0.1, 1.0):
+        gen, batch = _moe_batch(moe, "fp32", std)
+        rates[std] = routing_disagreement(moe, gen.model, batch)["numerical/routing_disagreement/mean"]
+        with torch.no_grad():
+            logp_old, _ = token_logprobs(moe, batch, SamplingParams(n=4, max_new_tokens=16))
+        log_rho = (logp_old - batch.logp_rollout)[batch.response_mask.bool()]
+        k3[std] = float((log_rho.exp() - 1 - log_rho).mean())
+    assert rates[0.0] == 0.0 and 0.0 < rates[0.1] < rates[1.0]
+    assert k3[0.0] < 1e-10 < k3[0.1] < k3[1.0]  # the rerouting reaches the sampled log-probs
+    # Same seed, same routes: a resumed run samples the same batch.
+    a, b = _moe_batch(moe, "fp32", 0.1)[1], _moe_batch(moe, "fp32", 0.1)[1]
+    assert torch.equal(a.response_ids, b.response_ids) and torch.equal(a.logp_rollout, b.logp_rollout)
+
+
+def test_router_noise_needs_a_router_and_the_hf_engine():
+    with pytest.raises(ValueError, match="MoE"):
+        HFGenerator(build_tiny_model(21, moe=False, seed=0), 1, 0, "fp32", 0.1)
+    from tether.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match="router_noise"):
+        load_config(None, ["rollout.router_noise=0.1", "rollout.engine=vllm"])

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
@@ -94,8 +96,6 @@ def test_same_seed_same_rollouts(random_model, tokenizer):
 
 @pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"])
 def test_micro_batching_gives_the_whole_batch_gradient(random_model, tokenizer, agg):
-    import copy
-
     from tether.config import TrainConfig
     from tether.trainer import Trainer, group_advantages
 
@@ -114,3 +114,28 @@ def test_micro_batching_gives_the_whole_batch_gradient(random_model, tokenizer, 
         trainer.train_on(batch, adv, logp_old, None)
         grads.append(torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None]))
     assert torch.allclose(grads[0], grads[1], atol=1e-6, rtol=1e-4)
+
+
+def test_micro_batching_gives_the_whole_batch_metrics(random_model, tokenizer):
+    """Means, second moments and peaks of the weights do not depend on `train.micro_batch`."""
+    from tether.config import TrainConfig
+    from tether.trainer import Trainer, group_advantages
+
+    sampling = SamplingParams(n=4, max_new_tokens=8)
+    gen = HFGenerator(random_model, tokenizer.eos_token_id, tokenizer.pad_token_id, "fp8")
+    batch = collate(gen.generate(PROMPTS, ["a", "b", "c"], sampling, seed=5), tokenizer.pad_token_id)
+    batch.rewards = torch.arange(12.0) % 3
+    adv = group_advantages(batch.rewards, batch.group_ids, std_norm=True)
+    metrics = []
+    for micro in (12, 5):
+        trainer = Trainer(copy.deepcopy(random_model), TrainConfig(estimator="tis", micro_batch=micro),
+                          sampling)
+        logp_old, _ = trainer.score_old(batch, random_model)
+        metrics.append(trainer.train_on(batch, adv, logp_old, None)[0])
+    whole, parts = metrics
+    keys = [k for k in whole if k.split("/")[-1] in ("mean", "max", "second_moment")
+            or k.startswith("loss/")]
+    assert {"numerical/is_weight/max", "correction/weight/max", "loss/total"} <= set(keys)
+    assert whole["numerical/is_weight/max"] > 1.0  # fp8 makes the peak a real one
+    for k in keys:
+        assert parts[k] == pytest.approx(whole[k], rel=1e-5, abs=1e-7), k

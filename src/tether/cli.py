@@ -112,7 +112,8 @@ EXPERIMENT_HELP = """\
 Run one of the papers' experiments on the embedded testbed (DESIGN.md section 7):
   dlc    generator {exact, bf16, fp8, lag 8, fp8 + lag 8} x {naive, tis, mis, dlc without
          re-sync, dlc} x 3 seeds, dense model
-  cis    MoE model, bf16 generator x {none, tis, mis/icepop, cis} x 3 seeds (+ fp32 reference)
+  cis    MoE model, generator {bf16, bf16 + router noise 0.1} x {none, tis, mis/icepop, cis}
+         x 3 seeds (+ fp32 reference)
   vespo  staleness N in {1, 4, 8, 16, 32, 64} x {grpo, gspo, sapo, vespo, vespo /T, vespo /sqrtT}
 Each cell is one training run in OUT/cells/<scenario>__<method>__s<seed>, run in parallel
 worker processes (one torch thread each). Rerunning the same command skips finished cells

@@ -87,6 +87,10 @@ class RolloutConfig(_Node):
     precision: Literal["fp32", "bf16", "fp16", "fp8"] = Field(
         "fp32", description="Generator numerics; the trainer stays fp32. fp8: weight-only e4m3."
     )
+    router_noise: float = Field(
+        0.0, ge=0.0, description="MoE, hf engine: std of Gaussian noise the generator adds to its "
+        "router logits (routing disagreement at equal weights; docs/mismatch.md). 0: off.",
+    )
     prompts_per_step: int = Field(32, ge=1, description="Prompts sampled per step.")
     group_size: int = Field(8, ge=1, description="Responses per prompt (the GRPO group, G).")
     temperature: float = Field(1.0, ge=0.0, description="Sampling temperature (0: greedy).")
@@ -235,6 +239,9 @@ class Config(_Node):
                 "rollout.group_size=1 with train.adv_std_norm=true: group-normalised advantages "
                 "need at least 2 responses per prompt; raise rollout.group_size"
             )
+        if self.rollout.router_noise > 0 and self.rollout.engine != "hf":
+            raise ValueError("rollout.router_noise perturbs the hf engine's MoE router: "
+                             "set rollout.engine=hf")
         batch = self.rollout.prompts_per_step * self.rollout.group_size
         if batch % self.train.minibatches:
             raise ValueError(

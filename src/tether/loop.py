@@ -68,7 +68,8 @@ def build_generator(cfg: Config, model: PreTrainedModel, model_path: Path,
                                   max_logprobs=max(20, r.logprobs_topk))
         generator.load_weights(model.state_dict(), version=0)
         return generator
-    return HFGenerator(model, tokenizer.eos_token_id, tokenizer.pad_token_id, r.precision)
+    return HFGenerator(model, tokenizer.eos_token_id, tokenizer.pad_token_id, r.precision,
+                       r.router_noise)
 
 
 def make_run_dir(cfg: Config, resume: bool = False) -> Path:

@@ -112,30 +112,32 @@ def curves_figure(out: Path, meta: dict, key: str, ylabel: str, title: str, path
     return path
 
 
-def bars_figure(groups: list[dict], keys: list[tuple[str, str]], ylabel: str, title: str,
-                path: Path, log_y: bool = False, hline: float | None = None) -> Path | None:
-    """Grouped bars: one group per (scenario, method), one bar per key, error bar = std."""
+def bars_figure(groups: list[dict], keys: list[tuple[str, str]], xlabel: str, title: str,
+                path: Path, log_x: bool = False, vline: float | None = None) -> Path | None:
+    """Grouped horizontal bars: one row per (scenario, method), one bar per key, error bar =
+    std; the first group on top, so a long matrix stays readable."""
     plt = _plt()
     if not groups:
         return None
-    fig, ax = plt.subplots(figsize=(max(6, 0.7 * len(groups) * len(keys)), 3.8))
-    x = np.arange(len(groups))
-    width = 0.8 / len(keys)
+    fig, ax = plt.subplots(figsize=(8, 1.4 + 0.16 * len(groups) * (len(keys) + 1)))
+    y = np.arange(len(groups))
+    height = 0.8 / len(keys)
     for i, (k, label) in enumerate(keys):
         vals = [g.get(k, float("nan")) for g in groups]
         errs = [g.get(k + "_std", float("nan")) for g in groups]
         errs = [e if isinstance(e, float) and math.isfinite(e) else 0.0 for e in errs]
-        ax.bar(x + (i - (len(keys) - 1) / 2) * width, vals, width, yerr=errs, capsize=2,
-               color=COLORS[i % len(COLORS)], label=label)
-    if hline is not None:
-        ax.axhline(hline, color="k", ls="--", lw=1)
-    ax.set_xticks(x, [f"{g['scenario']}\n{g['method']}" for g in groups], fontsize=7)
-    ax.set_ylabel(ylabel)
-    if log_y:
-        ax.set_yscale("log")
-    ax.grid(axis="y", alpha=0.3)
-    ax.legend(fontsize=8)
-    ax.set_title(_wrap(title, 75), fontsize=10)
+        ax.barh(y + (i - (len(keys) - 1) / 2) * height, vals, height, xerr=errs, capsize=2,
+                color=COLORS[i % len(COLORS)], label=label)
+    if vline is not None:
+        ax.axvline(vline, color="k", ls="--", lw=1)
+    ax.set_yticks(y, [f"{g['scenario']} · {g['method']}" for g in groups], fontsize=8)
+    ax.invert_yaxis()
+    ax.set_xlabel(xlabel)
+    if log_x:
+        ax.set_xscale("log")
+    ax.grid(axis="x", alpha=0.3)
+    ax.legend(fontsize=8, loc="best")
+    ax.set_title(_wrap(title, 80), fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=90)
     plt.close(fig)
@@ -217,7 +219,7 @@ def make_figures(out: Path, meta: dict, summary: dict, figdir: Path) -> list[tup
         add(bars_figure(groups, [("reward_dev_sigma", "final reward"),
                                  ("accuracy_dev_sigma", "final accuracy"),
                                  ("probe_dev_sigma", "probe distribution")],
-                        "deviation (on-policy σ)", q, figdir / "deviation.png", hline=3.0), q)
+                        "deviation (on-policy σ)", q, figdir / "deviation.png", vline=3.0), q)
         q = "When does the staleness ESS fall below 0.5 (dotted), and does re-sync lift it?"
         add(curves_figure(out, meta, "staleness/ess/token", "token ESS of π_θ/π_old", q,
                           figdir / "ess.png", log_y=True, hline=0.5), q)
@@ -232,7 +234,7 @@ def make_figures(out: Path, meta: dict, summary: dict, figdir: Path) -> list[tup
                          ("is_second_moment", "raw ρ: E[ρ²]"),
                          ("corr_second_moment", "applied w: E[w²]")],
                         "second moment (1 = uncorrected)", q, figdir / "second_moment.png",
-                        hline=1.0), q)
+                        vline=1.0), q)
         if summary.get("truncation_bias"):
             q = "How far does each correction's weight fall from the exact IS weight, by confidence?"
             add(bias_figure(summary["truncation_bias"], figdir / "truncation_bias.png"), q)
@@ -303,8 +305,8 @@ def build_report(out: str | Path, command: str | None = None) -> tuple[Path, Pat
            analysis.markdown_table(groups, module.COLUMNS), ""]
     tb = summary.get("truncation_bias")
     if tb:
-        caption = ("Truncation bias by confidence bin (starting model, bf16 generator; "
-                   f"{tb['definition']}):")
+        caption = (f"Truncation bias by confidence bin (starting model, generator "
+                   f"{tb.get('generator', 'bf16')}; {tb['definition']}):")
         md += [caption, "", analysis.markdown_table(tb["bins"], _bias_columns(tb)), ""]
     md += [f"![{title}]({p.name})" for p, title in figs]
     md_path = figdir / "summary.md"

@@ -226,8 +226,11 @@ class Trainer:
                 break
             (out.loss * share).backward()
             loss_sum += out.loss.item() * float(share)
+            # Token statistics fold by token share; the losses by the aggregation's share.
+            tok_share = float(micro.response_mask.sum() / batch.response_mask.sum().clamp(min=1))
             for k, v in out.metrics.items():
-                sums[k] = sums.get(k, 0.0) + float(v) * float(share)
+                sums[k] = combine(k, sums.get(k), float(v),
+                                  float(share) if k.startswith("loss/") else tok_share)
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip)
         if bad is None and not torch.isfinite(grad_norm):
             bad = "grad_norm"
@@ -241,7 +244,18 @@ class Trainer:
         return {**sums, "loss/total": loss_sum, "train/grad_norm": float(grad_norm), **guard}
 
 
+def combine(key: str, acc: float | None, value: float, share: float) -> float:
+    """Fold one micro-batch's metric into the slice's: peaks (`*/max`) by max, the rest
+    weighted by the micro-batch's share of the slice (exact for means and second moments;
+    ESS keys are approximate, and the loop's diagnostics log whole-batch ESS)."""
+    if key.endswith("/max"):
+        return value if acc is None else max(acc, value)
+    return (acc or 0.0) + value * share
+
+
 def mean_metrics(rows: list[dict[str, float]]) -> dict[str, float]:
-    """Average a list of metric dicts key by key (keys missing in some rows average the rest)."""
+    """Average a list of metric dicts key by key (keys missing in some rows average the rest);
+    peaks (`*/max`) take the largest."""
     keys = {k for r in rows for k in r}
-    return {k: math.fsum(r[k] for r in rows if k in r) / sum(k in r for r in rows) for k in keys}
+    return {k: max(r[k] for r in rows if k in r) if k.endswith("/max")
+            else math.fsum(r[k] for r in rows if k in r) / sum(k in r for r in rows) for k in keys}

@@ -14,7 +14,7 @@ import copy
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
-from tether.rollout.numerics import apply_numerics
+from tether.rollout.numerics import add_router_noise, apply_numerics
 from tether.rollout.types import Rollout, SamplingParams
 
 
@@ -45,12 +45,19 @@ class HFGenerator:
 
     engine = "hf"
 
-    def __init__(self, model: PreTrainedModel, eos_id: int, pad_id: int, precision: str = "fp32"):
+    def __init__(self, model: PreTrainedModel, eos_id: int, pad_id: int, precision: str = "fp32",
+                 router_noise: float = 0.0):
         self.model = copy.deepcopy(model).eval()
         self.eos_id, self.pad_id = eos_id, pad_id
         self.precision = precision
         self.version = 0
         self.load_weights(model.state_dict(), version=0)
+        # Router noise draws from its own generator, reseeded with every batch, so a
+        # resumed run samples the same routes.
+        self.noise = torch.Generator()
+        if router_noise > 0 and add_router_noise(self.model, router_noise, self.noise) == 0:
+            raise ValueError("rollout.router_noise needs a MoE model (model.moe=true); "
+                             "this model has no router")
 
     def load_weights(self, state_dict: dict[str, torch.Tensor], version: int) -> None:
         apply_numerics(self.model, state_dict, self.precision)
@@ -64,6 +71,7 @@ class HFGenerator:
         self, prompts: list[list[int]], prompt_ids: list[str], sampling: SamplingParams, seed: int
     ) -> list[Rollout]:
         g = torch.Generator().manual_seed(seed)
+        self.noise.manual_seed(seed + 1)
         n = sampling.n
         rows = [p for p in prompts for _ in range(n)]  # prompt-major: group members adjacent
         out = sample_tokens(self.model, rows, sampling, g, self.eos_id, self.pad_id)
