@@ -123,3 +123,19 @@ def test_an_out_dir_is_not_reused_under_other_settings(tmp_path, capsys):
     (tmp_path / "experiment.json").write_text(json.dumps({"name": "vespo", "base": ["x=1"]}))
     assert main(["experiment", "vespo", "--quick", "--out", str(tmp_path)]) == 2
     assert "other settings" in capsys.readouterr().err
+
+
+def test_set_changes_every_cell_and_a_bad_key_fails_first(tmp_path, capsys, warm_model_dir):
+    assert main(["experiment", "vespo", "--quick", "--out", str(tmp_path / "bad"),
+                 "--set", "train.lr=-1"]) == 2
+    assert "train.lr" in capsys.readouterr().err and not (tmp_path / "bad" / "cells").exists()
+    out = tmp_path / "lr"
+    assert main(["experiment", "vespo", "--quick", "--out", str(out), "--model", str(warm_model_dir),
+                 "--only", "N1:grpo", "--set", "train.lr=3e-5", "train.steps=2"]) == 0
+    base = json.loads((out / "experiment.json").read_text())["base"]
+    assert base[-2:] == ["train.lr=3e-5", "train.steps=2"]
+    config = (out / "cells" / "N1__grpo__s0" / "config.yaml").read_text()
+    assert "lr: 3.0e-05" in config and "steps: 2" in config
+    # The same directory under the plain settings is refused, not mixed.
+    assert main(["experiment", "vespo", "--quick", "--out", str(out)]) == 2
+    assert "other settings" in capsys.readouterr().err

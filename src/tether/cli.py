@@ -132,7 +132,7 @@ def _cmd_experiment(args: argparse.Namespace) -> int:
 
     only = [g for g in (args.only or "").split(",") if g]
     run(args.name, args.out, quick=args.quick, seeds=args.seeds, workers=args.workers,
-        model_path=args.model, only=only or None)
+        model_path=args.model, only=only or None, overrides=args.set)
     return 0
 
 
@@ -223,6 +223,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--only", metavar="S:M,...",
                    help="Run only these scenario:method groups, e.g. fp8_lag8:naive,fp8_lag8:dlc "
                    "(the on-policy reference group is always included).")
+    p.add_argument("--set", nargs="+", default=[], metavar="KEY=VALUE",
+                   help="Change the settings every cell shares, e.g. --set train.lr=2e-4 "
+                   "train.steps=60 (as `tether train` overrides; each cell's scenario and method "
+                   "keys still apply on top). Use a new --out: a directory keeps one setting.")
     p.set_defaults(func=_cmd_experiment)
 
     p = sub.add_parser("report", help="Build figures, an HTML page and a markdown summary of an "

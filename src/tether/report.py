@@ -33,6 +33,13 @@ def _plt():
     return plt
 
 
+def method_colors(name: str, methods: list[str]) -> dict[str, str]:
+    """One colour per method, fixed by the experiment's method list, so a method keeps its
+    colour in every figure and in every slice of the matrix."""
+    order = list(dict.fromkeys([*get(name).METHODS, *methods]))
+    return {m: COLORS[order.index(m) % len(COLORS)] for m in methods}
+
+
 def _wrap(title: str, width: int) -> str:
     return "\n".join(textwrap.wrap(title, width))
 
@@ -83,17 +90,18 @@ def curves_figure(out: Path, meta: dict, key: str, ylabel: str, title: str, path
     ref = tuple(meta["reference"])
     scenarios = list(dict.fromkeys(g[0] for g in curves))
     methods = list(dict.fromkeys(g[1] for g in curves))
+    colors = method_colors(meta["name"], methods)
     fig, axes = _panels(plt, len(scenarios))
     for ax, scen in zip(axes, scenarios):
         if ref in curves and scen != ref[0]:
             s, m, _, lo, hi = curves[ref]
             ax.plot(s, m, "k--", lw=1.2, label=f"on-policy ({ref[0]}, {ref[1]})")
             ax.fill_between(s, lo, hi, color="k", alpha=0.08)
-        for i, meth in enumerate(methods):
+        for meth in methods:
             if (scen, meth) not in curves:
                 continue
             s, m, _, lo, hi = curves[(scen, meth)]
-            color = COLORS[i % len(COLORS)]
+            color = colors[meth]
             ax.plot(s, m, color=color, lw=1.6, marker="." if len(s) < 8 else None, label=meth)
             ax.fill_between(s, lo, hi, color=color, alpha=0.18)
         if hline is not None:
@@ -149,12 +157,13 @@ def vespo_figure(groups: list[dict], path: Path) -> Path | None:
     plt = _plt()
     fig, ax = plt.subplots(figsize=(6.5, 4))
     methods = list(dict.fromkeys(g["method"] for g in groups))
-    for i, meth in enumerate(methods):
+    colors = method_colors("vespo", methods)
+    for meth in methods:
         gs = sorted((g for g in groups if g["method"] == meth), key=lambda g: int(g["scenario"][1:]))
         n = [int(g["scenario"][1:]) for g in gs]
         r = [g["final_reward"] for g in gs]
         sd = [g["final_reward_std"] if math.isfinite(g["final_reward_std"]) else 0 for g in gs]
-        ax.errorbar(n, r, yerr=sd, color=COLORS[i % len(COLORS)], marker="o", capsize=2, label=meth)
+        ax.errorbar(n, r, yerr=sd, color=colors[meth], marker="o", capsize=2, label=meth)
         bad = [(a, b) for a, b, g in zip(n, r, gs) if g["collapsed"]]
         if bad:
             ax.scatter(*zip(*bad), marker="x", s=90, color="red", zorder=5)

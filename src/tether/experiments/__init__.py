@@ -1,6 +1,6 @@
 """The papers' experiments on the embedded testbed (DESIGN.md section 7): one command each.
 
-    tether experiment dlc|cis|vespo [--quick] [--out DIR] [--seeds N] [--workers N]
+    tether experiment dlc|cis|vespo [--quick] [--out DIR] [--seeds N] [--workers N] [--set K=V ...]
     tether report DIR
 
 `run(name, ...)` builds the matrix (`<name>.build`), runs the cells not yet done
@@ -26,14 +26,21 @@ def get(name: str):
 
 def run(name: str, out: str | Path | None = None, quick: bool = False, seeds: int | None = None,
         workers: int = 2, model_path: str | None = None, only: list[str] | None = None,
-        log=print) -> dict:
+        overrides: list[str] | None = None, log=print) -> dict:
     """Run (or resume) experiment `name` into `out` and summarise it; returns the summary.
 
     `only`: keep just these groups, each "scenario:method" (e.g. a reduced slice); the
     reference group is always kept, since every deviation is measured against it.
+    `overrides`: `key=value` settings appended to the shared base (checked here, so a bad
+    key fails before any cell runs); each cell's own keys still apply after them.
     """
+    from tether.config import load_config
+
     module = get(name)
     exp = module.build(quick=quick, seeds=seeds)
+    if overrides:
+        exp.base = exp.base + list(overrides)
+        load_config(None, exp.base)  # ConfigError names the bad key
     if only:
         keep = {tuple(g.split(":", 1)) for g in only} | {tuple(exp.reference)}
         unknown = keep - set(exp.groups())
