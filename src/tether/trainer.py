@@ -8,7 +8,6 @@ equal weights and numerics all three log-probs agree.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -254,8 +253,11 @@ def combine(key: str, acc: float | None, value: float, share: float) -> float:
 
 
 def mean_metrics(rows: list[dict[str, float]]) -> dict[str, float]:
-    """Average a list of metric dicts key by key (keys missing in some rows average the rest);
-    peaks (`*/max`) take the largest."""
-    keys = {k for r in rows for k in r}
-    return {k: max(r[k] for r in rows if k in r) if k.endswith("/max")
-            else math.fsum(r[k] for r in rows if k in r) / sum(k in r for r in rows) for k in keys}
+    """Fold the mini-batch steps' metrics into one row with `combine`, each step an equal share
+    (keys missing in some rows average the rest)."""
+    out: dict[str, float] = {}
+    for k in {k for r in rows for k in r}:
+        values = [r[k] for r in rows if k in r]
+        for v in values:
+            out[k] = combine(k, out.get(k), v, 1.0 / len(values))
+    return out

@@ -60,8 +60,8 @@ def build(quick: bool = False, seeds: int | None = None) -> Experiment:
     notes = ["mis stands for mis/icepop (the same token band test, (0.5, 2))",
              "on-policy reference: exact (fp32 generator) x none (grpo)",
              f"bf16_route: bf16 + router-logit noise std {ROUTER_NOISE} (rollout.router_noise)",
-             f"truncation bias: starting model, bf16 + router noise {ROUTER_NOISE}, "
-             f"pi_old bins {BIN_EDGES}"]
+             (f"truncation bias: starting model, bf16 + router noise {ROUTER_NOISE}, "
+              f"pi_old bins {BIN_EDGES}")]
     return Experiment("cis", QUESTION, base, cells, ("exact", "none"), notes)
 
 
