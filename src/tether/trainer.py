@@ -192,7 +192,8 @@ class Trainer:
         B = batch.input_ids.shape[0]
         # Micro-batch losses are re-weighted so their sum equals the loss on the whole slice.
         token_mean = self.estimator.params["agg"] == "token-mean"
-        total = batch.response_mask.sum().clamp(min=1) if token_mean else B
+        n_tokens = batch.response_mask.sum().clamp(min=1)
+        total = n_tokens if token_mean else B
         sums: dict[str, float] = {}
         loss_sum, bad = 0.0, None
         for i in range(0, B, self.cfg.micro_batch):
@@ -226,7 +227,7 @@ class Trainer:
             (out.loss * share).backward()
             loss_sum += out.loss.item() * float(share)
             # Token statistics fold by token share; the losses by the aggregation's share.
-            tok_share = float(micro.response_mask.sum() / batch.response_mask.sum().clamp(min=1))
+            tok_share = float(micro.response_mask.sum() / n_tokens)
             for k, v in out.metrics.items():
                 sums[k] = combine(k, sums.get(k), float(v),
                                   float(share) if k.startswith("loss/") else tok_share)

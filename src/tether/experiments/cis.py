@@ -6,11 +6,13 @@ Matrix: MoE tiny model (`model.moe=true`), generator {bf16, bf16 + router noise}
 {none (grpo), tis, mis (= icepop: the same token test), cis} x seeds, plus the on-policy
 reference (fp32 generator, grpo). The tiny model's bf16 router sends under 1% of
 (token, layer) pairs to other experts; `bf16_route` adds router-logit noise of std 0.1
-(`rollout.router_noise`), which measured 13% on the starting model, about the 10% that
-R3 (arXiv 2510.11370) measured between vLLM and Megatron on a large MoE. Second moments come from the training logs
+(`rollout.router_noise`), which re-routes 7-9% on the warm-started model
+(docs/mismatch.md), about the 10% that R3 (arXiv 2510.11370) measured between vLLM and
+Megatron on a large MoE. Second moments come from the training logs
 (`numerical/is_weight/*second_moment`: the raw rho; `correction/weight/*`: what the
 method applied). Truncation bias by confidence bin is measured once on the starting
-model (`truncation_bias`): tokens sampled by the bf16 generator, binned by pi_old(y).
+model (`truncation_bias`): tokens sampled by the bf16 + router-noise generator, binned
+by pi_old(y).
 
 What it simplifies: the MoE mismatch is the tiny model's router under bf16, far smaller
 than a 30B MoE's; one probe batch for the bias, not every step.
