@@ -33,7 +33,7 @@ CASES = [
     ("ill-typed", ["train.steps=many", NO_MODEL], ["train.steps", "valid integer", "'many'"]),
     ("negative-cap", ["rollout.max_new_tokens=-4", NO_MODEL], ["rollout.max_new_tokens", "-4"]),
     ("clip-low-ge-1", ["train.estimator_params={{clip_low: 1.5}}", NO_MODEL],
-     ["clip_low", "in [0, 1)"]),
+     ["clip_low", "in [0, 1]"]),
     ("group-of-one", ["rollout.group_size=1", NO_MODEL],
      ["rollout.group_size=1", "raise rollout.group_size"]),
     ("unknown-estimator", ["train.estimator=ppo2", NO_MODEL],

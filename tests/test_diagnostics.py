@@ -81,7 +81,7 @@ def test_diagnostics_do_not_change_the_trajectory(warm_model_dir, tmp_path):
     # turning it on changes no trained number (resume bit for bit relies on this).
     from tether.config import load_config
     from tether.logger import read_jsonl
-    from tether.loop import train
+    from tether.loops import train
 
     runs = []
     for every in (0, 1):

@@ -10,7 +10,7 @@ from transformers import AutoModelForCausalLM
 
 from tether.config import load_config
 from tether.logger import read_jsonl
-from tether.loop import train
+from tether.loops import train
 
 STEPS = 16
 

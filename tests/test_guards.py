@@ -16,7 +16,7 @@ from tether.cli import main
 from tether.config import load_config
 from tether.guards import StepGuard, first_nonfinite
 from tether.logger import read_jsonl
-from tether.loop import train
+from tether.loops import train
 
 TINY = ["run.threads=1", "run.progress=false", "rollout.prompts_per_step=2",
         "rollout.group_size=4", "rollout.max_new_tokens=8", "task.name=countdown",

@@ -11,7 +11,7 @@ import pytest
 from tether.cli import main
 from tether.config import load_config
 from tether.logger import read_jsonl
-from tether.loop import train
+from tether.loops import train
 from tether.models import build_char_tokenizer, build_tiny_model
 from tether.tasks import ALPHABET
 

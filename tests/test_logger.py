@@ -11,7 +11,7 @@ import pytest
 
 from tether.config import ConfigError, load_config
 from tether.logger import JsonlLogger, NullSink, open_logger, read_jsonl
-from tether.loop import train
+from tether.loops import train
 
 HAS_TB = importlib.util.find_spec("tensorboard") is not None
 HAS_WANDB = importlib.util.find_spec("wandb") is not None

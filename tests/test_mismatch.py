@@ -14,8 +14,7 @@ from tether.models.tokenizer import encode_exact
 from tether.rollout.hf import HFGenerator
 from tether.rollout.numerics import apply_numerics, fp8_targets, quantize_fp8
 from tether.rollout.types import SamplingParams
-from tether.snapshots import SnapshotStore
-from tether.sync import Synchronizer, parse_sync_policy
+from tether.weights import InProcessPublisher, SnapshotStore, Synchronizer, parse_sync_policy
 from tether.tasks import build_task
 from tether.trainer import Trainer, collate, group_advantages, token_logprobs
 
@@ -37,7 +36,9 @@ def run_steps(warm, precision: str, steps: int, lag: int = 0, minibatches: int =
     torch.manual_seed(0)
     trainer = Trainer(model, TrainConfig(lr=2e-3, minibatches=minibatches), SAMPLING)
     gen = HFGenerator(model, tokenizer.eos_token_id, tokenizer.pad_token_id, precision)
-    sync = Synchronizer(parse_sync_policy(policy), gen, trainer, SnapshotStore(model), lag)
+    snapshots = SnapshotStore(model)
+    sync = Synchronizer(parse_sync_policy(policy), InProcessPublisher(gen), snapshots,
+                        model.state_dict(), lag)
     out = []
     for step in range(steps):
         problems = [task.train_problem(step * PROMPTS + i) for i in range(PROMPTS)]
@@ -48,14 +49,15 @@ def run_steps(warm, precision: str, steps: int, lag: int = 0, minibatches: int =
                                     tokenizer.decode(ro.response_ids, skip_special_tokens=True)).total
         batch = collate(rollouts, tokenizer.pad_token_id)
         version = gen.version
-        logp_old, topk_old = trainer.score_old(batch, sync.old_model(version))
-        sync.check(batch, logp_old, version)
-        trainer.train_on(batch, group_advantages(batch.rewards, batch.group_ids, True),
-                         logp_old, topk_old)
-        d = decompose(batch.logp_rollout, logp_old, trainer.last_logp, batch.response_mask)
+        old_model = model if version == trainer.version else snapshots.model_at(version)
+        logp_old, topk_old = trainer.score_old(batch, old_model)
+        sync.check(batch, logp_old, version, trainer.version, lambda: None)
+        _, logp = trainer.train_on(batch, group_advantages(batch.rewards, batch.group_ids, True),
+                                   logp_old, topk_old)
+        d = decompose(batch.logp_rollout, logp_old, logp, batch.response_mask)
         out.append({"batch": batch, "d": d, "metrics": mismatch_metrics(d),
                     "staleness": trainer.version - minibatches - version,
-                    **sync.after_step(step)})
+                    **sync.after_step(step, trainer.version, model.state_dict(), logp)})
     return out
 
 

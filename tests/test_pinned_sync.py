@@ -24,7 +24,7 @@ from safetensors.torch import load_file
 
 from tether.config import load_config
 from tether.logger import read_jsonl
-from tether.loop import train
+from tether.loops import train
 
 PIN = Path(__file__).parent / "data" / "pinned_sync.json"
 COMMON = [

@@ -39,9 +39,8 @@ from tether.config import ConfigError, TrainConfig
 from tether.logger import read_jsonl
 from tether.rollout.hf import HFGenerator
 from tether.rollout.types import SamplingParams
-from tether.snapshots import SnapshotStore
-from tether.sync import Synchronizer, parse_sync_policy
 from tether.trainer import Trainer
+from tether.weights import InProcessPublisher, SnapshotStore, Synchronizer, parse_sync_policy
 
 STEPS = 8
 RUN = [
@@ -153,7 +152,8 @@ def _state(model) -> RunState:
     sampling = SamplingParams(n=2, max_new_tokens=4)
     trainer = Trainer(model, TrainConfig(lr=1e-2), sampling)
     generator = HFGenerator(model, 1, 0, "bf16")
-    sync = Synchronizer(parse_sync_policy("every:1"), generator, trainer, SnapshotStore(model), lag=1)
+    sync = Synchronizer(parse_sync_policy("every:1"), InProcessPublisher(generator),
+                        SnapshotStore(model), model.state_dict(), lag=1)
     return RunState(trainer, sync)
 
 
@@ -168,7 +168,8 @@ def test_checkpoint_restores_every_part(tokenizer, tmp_path):
         model(torch.tensor([[2, 3, 4]])).logits.square().mean().backward()
         state.trainer.optimizer.step()
         state.trainer.version += 1
-        state.sync.after_step(state.trainer.version - 1)
+        state.sync.after_step(state.trainer.version - 1, state.trainer.version,
+                              model.state_dict(), None)
     state.trainer.guard.record("logp")
     torch.rand(3)
     save_checkpoint(tmp_path, 2, state, keep=2)
@@ -187,9 +188,9 @@ def test_checkpoint_restores_every_part(tokenizer, tmp_path):
         for k, v in st.items():
             assert torch.equal(v, s1["state"][i][k]), (i, k)
     assert fresh.sync.snapshots.versions == state.sync.snapshots.versions == [1, 2]
-    assert fresh.sync.generator.version == state.sync.generator.version == 1
-    for k, v in state.sync.generator.model.state_dict().items():  # bf16 weights of version 1
-        assert torch.equal(v, fresh.sync.generator.model.state_dict()[k]), k
+    assert fresh.sync.generator_version == state.sync.generator_version == 1
+    for k, v in state.sync.publisher.generator.model.state_dict().items():  # bf16 weights of version 1
+        assert torch.equal(v, fresh.sync.publisher.generator.model.state_dict()[k]), k
 
 
 def test_saves_are_atomic_and_pruned(tokenizer, random_model, tmp_path):

@@ -11,23 +11,23 @@ from torch import nn
 from tether.config import TrainConfig, load_config
 from tether.estimators import ess_token
 from tether.logger import read_jsonl
-from tether.loop import train
+from tether.loops import train
 from tether.models import load_model
 from tether.models.tokenizer import encode_exact
 from tether.rollout.hf import HFGenerator
 from tether.rollout.types import SamplingParams
-from tether.snapshots import SnapshotStore
-from tether.sync import (
+from tether.tasks import build_task
+from tether.trainer import Trainer, collate, group_advantages
+from tether.weights import (
     BoundedK,
     EssTrigger,
     EveryK,
-    RolloutQueue,
+    InProcessPublisher,
+    SnapshotStore,
     Synchronizer,
     parse_sync_policy,
     resolve_policy_spec,
 )
-from tether.tasks import build_task
-from tether.trainer import Trainer, collate, group_advantages
 
 # -- parsing ---------------------------------------------------------------------------------
 
@@ -102,15 +102,23 @@ class FakeGenerator:
         self.version, self.weight = version, float(state_dict["weight"])
 
 
-def drive(policy: str, lag: int, steps: int, queue: RolloutQueue | None = None):
+def synchronizer(policy, gen, trainer, **kw) -> Synchronizer:
+    return Synchronizer(policy, InProcessPublisher(gen), SnapshotStore(trainer.model),
+                        trainer.model.state_dict(), **kw)
+
+
+def after_step(sync: Synchronizer, trainer, step: int, logp=None) -> dict[str, float]:
+    return sync.after_step(step, trainer.version, trainer.model.state_dict(), logp)
+
+
+def drive(policy: str, lag: int, steps: int):
     trainer, gen = FakeTrainer(), FakeGenerator()
-    sync = Synchronizer(parse_sync_policy(policy), gen, trainer, SnapshotStore(trainer.model), lag,
-                        queue=queue)
+    sync = synchronizer(parse_sync_policy(policy), gen, trainer, lag=lag)
     seen = []
     for step in range(steps):
         stale = trainer.version - gen.version  # staleness of the batch this step trains on
         trainer.step()
-        m = sync.after_step(step)
+        m = after_step(sync, trainer, step)
         assert gen.weight == gen.version  # the delivered weights are that version's
         seen.append((stale, gen.version, int(m["snapshots/count"]), int(m["sync/synced"])))
     return seen, sync
@@ -138,17 +146,6 @@ def test_bounded_k_never_trains_more_than_k_stale():
     assert not BoundedK(2).admits(sampled_version=3, trained_version=6)
 
 
-def test_queued_rollouts_keep_their_version_until_popped():
-    queue = RolloutQueue()
-    queue.push(0, "batch sampled at version 0")
-    _, sync = drive("every:1", lag=0, steps=3, queue=queue)
-    assert sync.snapshots.versions == [0, 3]  # 1 and 2 were freed, 0 is still queued
-    assert queue.max_staleness(3) == 3
-    queue.pop()
-    sync.after_step(3)
-    assert sync.snapshots.versions == [3]
-
-
 def test_max_interval_forces_a_resync():
     # ess:1.0:max=3 with a lag that never delivers: only the interval bound syncs.
     seen, _ = drive("ess:1.0:max=3", lag=100, steps=7)
@@ -163,9 +160,9 @@ def test_sync_state_round_trips():
     trainer, gen = FakeTrainer(), FakeGenerator()
     for _ in range(4):
         trainer.step()
-    fresh = Synchronizer(parse_sync_policy("every:1"), gen, trainer, SnapshotStore(trainer.model), 2)
+    fresh = synchronizer(parse_sync_policy("every:1"), gen, trainer, lag=2)
     fresh.load_state_dict(state, weights)
-    assert gen.version == sync.generator.version == 2 and gen.weight == 2.0
+    assert gen.version == sync.generator_version == 2 and gen.weight == 2.0
     assert fresh.snapshots.versions == sync.snapshots.versions == [2, 3, 4]
 
 
@@ -184,8 +181,8 @@ def stale_batch(warm_model_dir):
     gens = [HFGenerator(model, tokenizer.eos_token_id, tokenizer.pad_token_id, "fp32")
             for _ in range(3)]
     # Built at version 0: each keeps version 0 for its generator. Policy set per test.
-    syncs = [Synchronizer(EssTrigger(0.5), g, trainer, SnapshotStore(model), lag=8,
-                          on_trip=on_trip) for g, on_trip in zip(gens, ["train", "train", "regenerate"])]
+    syncs = [synchronizer(EssTrigger(0.5), g, trainer, lag=8, on_trip=on_trip)
+             for g, on_trip in zip(gens, ["train", "train", "regenerate"])]
     problems = [task.train_problem(i) for i in range(8)]
     rollouts = gens[0].generate([encode_exact(tokenizer, p.prompt) for p in problems],
                                 [p.id for p in problems], SAMPLING, seed=0)
@@ -193,7 +190,7 @@ def stale_batch(warm_model_dir):
         ro.reward = task.reward(problems[ro.group_id],
                                 tokenizer.decode(ro.response_ids, skip_special_tokens=True)).total
     batch = collate(rollouts, tokenizer.pad_token_id)
-    logp_old, topk = trainer.score_old(batch, syncs[0].old_model(0))
+    logp_old, topk = trainer.score_old(batch, syncs[0].snapshots.model_at(0))
     adv = group_advantages(batch.rewards, batch.group_ids, True)
     for _ in range(2):
         trainer.train_on(batch, adv, logp_old, topk)
@@ -209,16 +206,20 @@ def test_ess_policy_trips_exactly_below_the_threshold(stale_batch):
     above.policy = EssTrigger(math.nextafter(ess, 1.0))  # one float above the ESS: trips
     # on_trip=train: the batch is trained on; its ESS is read off the training forward,
     # whose logp at version 2 (before this step's update) equals the no-grad one exactly.
-    assert at.check(batch, logp_old, 0) is False and above.check(batch, logp_old, 0) is False
-    trainer.train_on(batch, adv, logp_old, topk)
+    def score_now():
+        raise AssertionError("on_trip=train reads the ESS off the training forward")
+
+    assert at.check(batch, logp_old, 0, trainer.version, score_now) is False
+    assert above.check(batch, logp_old, 0, trainer.version, score_now) is False
+    _, logp = trainer.train_on(batch, adv, logp_old, topk)
     assert trainer.version == 3
-    m_at, m_above = at.after_step(2), above.after_step(2)
+    m_at, m_above = after_step(at, trainer, 2, logp), after_step(above, trainer, 2, logp)
     assert m_at["sync/ess/token"] == m_above["sync/ess/token"] == ess
     assert (m_at["sync/tripped"], m_at["sync/synced"]) == (0.0, 0.0)
-    assert at.generator.version == 0  # the lag (8) delivers nothing either
+    assert at.generator_version == 0  # the lag (8) delivers nothing either
     assert at.snapshots.versions == [0, 3]  # 3: pending for a later lagged delivery
     assert (m_above["sync/tripped"], m_above["sync/synced"]) == (1.0, 1.0)
-    assert above.generator.version == trainer.version == 3  # re-synced after the step
+    assert above.generator_version == trainer.version == 3  # re-synced after the step
     assert above.snapshots.versions == [3] and m_above["snapshots/count"] == 1  # version 0 freed
     assert m_above["snapshots/freed"] == 1
 
@@ -226,9 +227,11 @@ def test_ess_policy_trips_exactly_below_the_threshold(stale_batch):
 def test_regenerate_resyncs_before_training(stale_batch):
     trainer, (_, _, regen), batch, (_, logp_old, _), _ = stale_batch
     regen.policy = EssTrigger(1.0)  # any staleness trips
-    assert regen.check(batch, logp_old, 0) is True  # drop the batch
-    assert regen.generator.version == trainer.version > 0  # synced before regenerating
-    m = regen.after_step(2)
+    score_now = lambda: trainer.score_old(batch, trainer.model)[0]  # noqa: E731
+    assert regen.check(batch, logp_old, 0, trainer.version, score_now) is True  # drop the batch
+    regen.resync(trainer.version, trainer.model.state_dict())  # the loop syncs, then regenerates
+    assert regen.generator_version == trainer.version > 0
+    m = after_step(regen, trainer, 2)
     assert (m["sync/regenerated"], m["sync/synced"], m["staleness/versions/batch"]) == (1.0, 1.0, 0.0)
     assert m["sync/ess/token"] < 1.0 and m["sync/tripped"] == 1.0
     assert regen.snapshots.versions == [trainer.version]
@@ -256,17 +259,16 @@ def test_on_trip_train_measures_the_first_minibatch_only():
     from types import SimpleNamespace
 
     trainer, gen = FakeTrainer(), FakeGenerator()
-    sync = Synchronizer(EssTrigger(0.5), gen, trainer, SnapshotStore(trainer.model), lag=4,
-                        minibatches=2)
+    sync = synchronizer(EssTrigger(0.5), gen, trainer, lag=4, minibatches=2)
     trainer.step()  # the batch below was sampled at version 0, training starts at 1
     batch = SimpleNamespace(response_mask=torch.ones(4, 3))
     logp_old = torch.zeros(4, 3)
-    trainer.last_logp = torch.tensor([[0.0] * 3, [0.0] * 3, [9.0] * 3, [-9.0] * 3])
-    assert sync.check(batch, logp_old, 0) is False
-    m = sync.after_step(0)
+    logp = torch.tensor([[0.0] * 3, [0.0] * 3, [9.0] * 3, [-9.0] * 3])
+    assert sync.check(batch, logp_old, 0, trainer.version, lambda: None) is False
+    m = after_step(sync, trainer, 0, logp)
     assert (m["sync/ess/token"], m["sync/tripped"]) == (1.0, 0.0)
     sync.minibatches = 1  # the whole batch: e^9 dominates, ESS ~ 1/4 -> trips
-    sync.check(batch, logp_old, 0)
-    m = sync.after_step(1)
+    sync.check(batch, logp_old, 0, trainer.version, lambda: None)
+    m = after_step(sync, trainer, 1, logp)
     assert m["sync/ess/token"] == pytest.approx(0.25, abs=1e-3) and m["sync/tripped"] == 1.0
     assert gen.version == trainer.version == 1

@@ -15,7 +15,7 @@ import pytest
 
 from tether.config import load_config
 from tether.logger import read_jsonl
-from tether.loop import train
+from tether.loops import train
 from tether.rewards import GuardedReward, call_with_timeout, load_reward_fn
 from tether.tasks import Problem, Reward
 

@@ -45,10 +45,13 @@ _STEP_DIR = re.compile(r"^step-(\d{8})$")
 RESUME_OVERRIDABLE = (
     "train.steps", "train.max_bad_steps", "eval.", "log.", "diagnostics.", "run.progress",
     "run.threads", "run.checkpoint_every", "run.keep_checkpoints", "reward.timeout",
+    "loop.workers", "loop.worker_threads",
 )
 """Config keys (or sections, ending in ".") a resumed run may change. They do not change
 the trajectory; every other key does, and is refused on resume. `run.threads` can change
-float reduction order on some backends: keep it for a bit-identical continuation."""
+float reduction order on some backends: keep it for a bit-identical continuation. An
+asynchronous run has no bit-identical trajectory (the race decides which weights sample
+each batch), so its number of rollout workers may change too."""
 
 
 class Stateful(Protocol):
@@ -61,7 +64,7 @@ class RunState:
     """What a checkpoint holds: the objects the loop carries from step to step.
 
     `trainer` (tether.trainer.Trainer) has state_dict/load_state_dict and `.model`;
-    `sync` (tether.sync.Synchronizer) has state_dict() and load_state_dict(state,
+    `sync` (tether.weights.Synchronizer) has state_dict() and load_state_dict(state,
     snapshots), and owns the generator's version and the snapshot store: restoring it
     puts the kept weights back and reloads the generator. `extra` takes any further
     stateful part (name -> object with state_dict/load_state_dict).

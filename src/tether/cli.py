@@ -49,7 +49,7 @@ def _request_stop(signum: int, frame: object) -> None:
 def _cmd_train(args: argparse.Namespace) -> int:
     from tether.checkpoint import resume_config
     from tether.guards import STOP
-    from tether.loop import train
+    from tether.loops import train
 
     if args.resume:
         if args.config:
@@ -82,7 +82,7 @@ def _cmd_config(args: argparse.Namespace) -> int:
 
 
 def _cmd_init_model(args: argparse.Namespace) -> int:
-    from tether.loop import resolve_model_path
+    from tether.run import resolve_model_path
 
     print(resolve_model_path(load_config(args.config, args.overrides)))
     return 0

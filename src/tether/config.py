@@ -149,6 +149,33 @@ class SyncConfig(_Node):
     )
 
 
+class LoopConfig(_Node):
+    mode: Literal["sync", "async"] = Field(
+        "sync",
+        description="sync: generate, then train, in turn (staleness only from sync.lag and "
+        "train.minibatches). async: rollout workers generate while the trainer trains; "
+        "staleness is what the race gives, bounded by max_staleness. See docs/async.md.",
+    )
+    workers: int = Field(
+        1, ge=1, description="async: rollout worker processes, each with its own engine.",
+    )
+    max_staleness: int = Field(
+        1, ge=0,
+        description="async: admission bound eta. A worker starts a batch only if its training "
+        "will start at most eta versions after the weights it samples with (AReaL's "
+        "max_head_offpolicyness); nothing is generated only to be thrown away.",
+    )
+    partial: bool = Field(
+        False,
+        description="async, hf engine: partial rollouts. A published version reaches a worker "
+        "between decode steps of its in-flight batch (the KV cache is recomputed); each token "
+        "records the version that sampled it, and pi_old is scored per token.",
+    )
+    worker_threads: int = Field(
+        1, ge=1, description="async: torch CPU threads in each rollout worker.",
+    )
+
+
 class DiagnosticsConfig(_Node):
     monitor_every: int = Field(
         10, ge=0,
@@ -227,6 +254,7 @@ class Config(_Node):
     rollout: RolloutConfig = RolloutConfig()
     train: TrainConfig = TrainConfig()
     sync: SyncConfig = SyncConfig()
+    loop: LoopConfig = LoopConfig()
     diagnostics: DiagnosticsConfig = DiagnosticsConfig()
     log: LogConfig = LogConfig()
     eval: EvalConfig = EvalConfig()
@@ -247,6 +275,21 @@ class Config(_Node):
             raise ValueError(
                 f"train.minibatches={self.train.minibatches} must divide the rollout batch "
                 f"(rollout.prompts_per_step * rollout.group_size = {batch})"
+            )
+        if self.loop.mode == "async" and self.sync.lag:
+            raise ValueError(
+                f"sync.lag={self.sync.lag} with loop.mode=async: sync.lag simulates a stale "
+                "generator in the synchronous loop; in async mode staleness comes from the race, "
+                "bounded by loop.max_staleness: set sync.lag=0"
+            )
+        if self.loop.partial and self.loop.mode != "async":
+            raise ValueError("loop.partial=true needs loop.mode=async (weights change mid-batch "
+                             "only while generation and training overlap)")
+        if self.loop.partial and self.rollout.engine != "hf":
+            raise ValueError(
+                "loop.partial=true with rollout.engine=vllm: tether's in-process vLLM engine "
+                "cannot take new weights between decode steps of a running batch; use "
+                "rollout.engine=hf or loop.partial=false"
             )
         return self
 
@@ -390,7 +433,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
 def _check_registries(cfg: Config) -> None:
     """Names resolved by registries (estimators, sync policies) are checked at load too."""
     from tether.estimators import build_estimator
-    from tether.sync import BoundedK, parse_sync_policy
+    from tether.weights.policy import BoundedK, parse_sync_policy
 
     try:
         estimator = build_estimator(cfg.train.estimator, **cfg.train.estimator_params)
@@ -410,6 +453,8 @@ def _check_registries(cfg: Config) -> None:
             f"sync.on_trip=regenerate applies to the batch that trips an ESS re-sync, but "
             f"sync.policy resolves to {policy.spec}: use sync.policy=ess:TAU or on_trip=train"
         )
+    if cfg.loop.mode == "async":
+        _check_async_policy(cfg, policy)
     bound = policy.k if isinstance(policy, BoundedK) else None
     if bound is not None and cfg.sync.lag > bound:
         raise ConfigError(
@@ -427,9 +472,29 @@ def _check_registries(cfg: Config) -> None:
                 raise ConfigError(str(e)) from None
 
 
+def _check_async_policy(cfg: Config, policy: Any) -> None:
+    """Async publishing must keep admission possible (docs/async.md)."""
+    from tether.weights.policy import BoundedK, EveryK
+
+    eta = cfg.loop.max_staleness
+    if isinstance(policy, BoundedK) and policy.k != eta:
+        raise ConfigError(
+            f"sync.policy={policy.spec} with loop.mode=async: in async mode bounded:K is the "
+            f"admission bound, and loop.max_staleness={eta} says another; set "
+            f"loop.max_staleness={policy.k} or sync.policy=bounded:{eta}"
+        )
+    if isinstance(policy, EveryK) and policy.k > eta + 1:
+        raise ConfigError(
+            f"sync.policy={policy.spec} with loop.mode=async and loop.max_staleness={eta}: "
+            f"publishing every {policy.k} versions leaves workers unable to start any batch "
+            f"within {eta} versions of their weights; use every:K with K <= {eta + 1} or raise "
+            f"loop.max_staleness"
+        )
+
+
 def _resolve_sync(cfg: Config) -> Config:
     """`sync.policy: auto` -> the estimator preset's policy, so the run's config.yaml says which."""
-    from tether.sync import resolve_policy_spec
+    from tether.weights.policy import resolve_policy_spec
 
     spec = resolve_policy_spec(cfg.sync.policy, cfg.train.estimator)
     return cfg.model_copy(update={"sync": cfg.sync.model_copy(update={"policy": spec})})

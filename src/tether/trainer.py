@@ -34,7 +34,8 @@ class RolloutTensors:
     logp_rollout: torch.Tensor  # (B, T)
     rewards: torch.Tensor  # (B,)
     group_ids: torch.Tensor  # (B,)
-    versions: torch.Tensor  # (B,) weight version that sampled each row
+    versions: torch.Tensor  # (B,) weight version that sampled each row's first token
+    token_versions: torch.Tensor  # (B, T) version that sampled each token (partial rollouts: several)
     topk_ids: torch.Tensor | None = None  # (B, T, K)
     topk_logp_rollout: torch.Tensor | None = None  # (B, T, K)
 
@@ -62,6 +63,7 @@ def collate(rollouts: list[Rollout], pad_id: int) -> RolloutTensors:
     K = len(rollouts[0].topk_ids[0]) if rollouts[0].topk_ids else 0
     topk_ids = torch.zeros((B, T, K), dtype=torch.long) if K else None
     topk_lp = torch.zeros((B, T, K)) if K else None
+    token_versions = torch.tensor([r.version for r in rollouts])[:, None].repeat(1, T)
     for i, r in enumerate(rollouts):
         p, n = len(r.prompt_ids), len(r.response_ids)
         input_ids[i, P - p:P] = torch.tensor(r.prompt_ids)
@@ -69,6 +71,8 @@ def collate(rollouts: list[Rollout], pad_id: int) -> RolloutTensors:
         attn[i, P - p:P + n] = 1
         resp_mask[i, :n] = 1
         logp_rollout[i, :n] = torch.tensor(r.logp_rollout)
+        if r.token_versions is not None:
+            token_versions[i, :n] = torch.tensor(r.token_versions)
         if K:
             topk_ids[i, :n] = torch.tensor(r.topk_ids)
             topk_lp[i, :n] = torch.tensor(r.topk_logp)
@@ -81,6 +85,7 @@ def collate(rollouts: list[Rollout], pad_id: int) -> RolloutTensors:
         rewards=torch.tensor([float(r.reward or 0.0) for r in rollouts]),
         group_ids=torch.tensor([r.group_id for r in rollouts]),
         versions=torch.tensor([r.version for r in rollouts]),
+        token_versions=token_versions,
         topk_ids=topk_ids,
         topk_logp_rollout=topk_lp,
     )
@@ -163,22 +168,24 @@ class Trainer:
         advantages: torch.Tensor,
         logp_old: torch.Tensor,
         topk_logp_old: torch.Tensor | None,
-    ) -> list[dict[str, float]]:
-        """`train.minibatches` optimizer steps on disjoint slices of the batch; metrics per step."""
+    ) -> tuple[list[dict[str, float]], torch.Tensor | None]:
+        """`train.minibatches` optimizer steps on disjoint slices of the batch.
+
+        Returns the metrics of each optimizer step and the (B, T) logp as each token's loss
+        saw it (mini-batch i after i steps), for diagnostics and the ESS trigger; None when
+        a step stopped before scoring every row.
+        """
         B = batch.input_ids.shape[0]
         mb = B // self.cfg.minibatches
-        out = []
-        self._logp_parts: list[torch.Tensor] = []
+        out: list[dict[str, float]] = []
+        parts: list[torch.Tensor] = []
         for start in range(0, B, mb):
             idx = slice(start, start + mb)
             out.append(self._step(batch.select(idx), advantages[idx], logp_old[idx],
-                                  None if topk_logp_old is None else topk_logp_old[idx]))
-        # (B, T) logp as each token's loss saw it (mini-batch i after i steps), for diagnostics;
-        # None when a step stopped before scoring every row.
-        parts = self._logp_parts
-        self.last_logp = torch.cat(parts) if sum(p.shape[0] for p in parts) == B else None
+                                  None if topk_logp_old is None else topk_logp_old[idx], parts))
         out[-1].update(self.guard.counters())  # running counts: once, not averaged
-        return out
+        logp = torch.cat(parts) if sum(p.shape[0] for p in parts) == B else None
+        return out, logp
 
     def _step(
         self,
@@ -186,6 +193,7 @@ class Trainer:
         advantages: torch.Tensor,
         logp_old: torch.Tensor,
         topk_logp_old: torch.Tensor | None,
+        logp_parts: list[torch.Tensor],
     ) -> dict[str, float]:
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
@@ -200,7 +208,7 @@ class Trainer:
             sl = slice(i, i + self.cfg.micro_batch)
             micro = batch.select(sl)
             logp, topk_logp = token_logprobs(self.model, micro, self.sampling)
-            self._logp_parts.append(logp.detach())
+            logp_parts.append(logp.detach())
             # Guard: a non-finite input or log-prob would poison the weights; one host sync.
             bad = first_nonfinite({"logp_old": logp_old[sl], "logp_rollout": micro.logp_rollout,
                                    "advantages": advantages[sl], "logp": logp, "topk_logp": topk_logp},

@@ -6,7 +6,7 @@ import pytest
 
 from tether.config import load_config
 from tether.logger import read_jsonl
-from tether.loop import train
+from tether.loops import train
 from tether.rollout.vllm_engine import INSTALL_HINT, vllm_available
 
 pytestmark = pytest.mark.skipif(not vllm_available(), reason=INSTALL_HINT)

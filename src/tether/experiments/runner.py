@@ -1,6 +1,6 @@
 """Run an experiment's matrix of cells (scenario x method x seed), in parallel, resumably.
 
-Each cell is one `tether.loop.train(cfg)` run in its own directory `OUT/cells/<name>`,
+Each cell is one `tether.loops.train(cfg)` run in its own directory `OUT/cells/<name>`,
 in a worker process with one torch thread. A cell is done when its directory holds
 `done.json` (written after `train` returns, next to `final/`); a rerun skips done cells,
 resumes a cell that has a checkpoint and restarts one that has neither. The parent
@@ -74,7 +74,7 @@ def _run_cell(job: tuple[list[str], str]) -> tuple[str, float, str | None]:
         _quiet_transformers()
         from tether.checkpoint import list_checkpoints
         from tether.config import load_config
-        from tether.loop import train
+        from tether.loops import train
 
         d = Path(run_dir)
         resume = d.is_dir() and bool(list_checkpoints(d))
@@ -97,7 +97,7 @@ def resolve_start_model(base: list[str], model_path: str | None) -> str:
     if model_path:
         return str(Path(model_path).expanduser())
     from tether.config import load_config
-    from tether.loop import resolve_model_path
+    from tether.run import resolve_model_path
 
     return str(resolve_model_path(load_config(None, base)))
 

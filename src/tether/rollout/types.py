@@ -35,12 +35,15 @@ class Rollout:
     prompt_ids: list[int]
     response_ids: list[int]  # exactly as sampled, eos included when sampled
     logp_rollout: list[float]  # (len(response_ids),) log mu(y_t | h_t), processed distribution
-    version: int  # weight version the generator held when sampling
+    version: int  # weight version the generator held when sampling the first token
     engine: str  # "hf", "vllm", ...
     precision: str  # generator numerics: "fp32", "bf16", "fp16", "fp8"
     finish_reason: str  # "stop" (eos sampled) or "length" (max_new_tokens reached)
     topk_ids: list[list[int]] | None = None  # (len(response_ids), K)
     topk_logp: list[list[float]] | None = None  # (len(response_ids), K), same distribution
+    # Partial rollouts: the version that sampled each token, when weights changed mid-response
+    # (None: every token at `version`).
+    token_versions: list[int] | None = None
     reward: float | None = None  # filled in by the task
     reward_parts: dict[str, float] = field(default_factory=dict)
 

@@ -7,9 +7,9 @@ every version something still needs (DESIGN.md section 4):
 - every version a queued rollout was sampled with (async mode),
 - with `sync.lag` k > 0, the versions not yet delivered that a later lagged delivery
   (trainer version - k) can still land on.
-`tether.sync.Synchronizer` computes that set each step and calls `release`; the store
-frees the rest. One scratch model is reused for scoring, so the memory cost is one
-state dict per live version (`nbytes`, logged as `snapshots/bytes`).
+The synchronous loop's `Synchronizer` and the asynchronous loop compute that set each
+step and call `release`; the store frees the rest. One scratch model is reused for
+scoring, so the memory cost is one state dict per live version (`nbytes`, logged as `snapshots/bytes`).
 """
 
 from __future__ import annotations

@@ -1,0 +1,163 @@
+"""Sync policies: pure decisions about when the generator gets new weights (DESIGN.md section 4).
+
+A policy sees versions and ESS values and answers yes or no; it holds no weights and calls
+nothing. The synchronous loop applies it through `tether.weights.Synchronizer`; the
+asynchronous loop through its publish rule (docs/async.md).
+
+    every:K         a routine delivery after every K-th step (async: publish every K versions).
+    bounded:K       deliver only when the generator would otherwise be more than K versions
+                    behind (AReaL's bound; async: the admission bound, publish lazily).
+    ess:TAU[:max=M] DLC's trigger: re-sync to the trainer's current weights as soon as the
+                    normalised token ESS of r = pi_theta / pi_old on the incoming batch falls
+                    below TAU; with max=M also after M steps without one.
+    auto            the estimator preset's policy (`dlc`: ess:0.5), otherwise every:1.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+ON_TRIP = ("train", "regenerate")
+# Presets whose method includes a sync policy; `sync.policy: auto` picks it.
+PRESET_POLICIES = {"dlc": "ess:0.5"}
+DEFAULT_POLICY = "every:1"
+
+
+class SyncPolicy(Protocol):
+    spec: str
+    measures_ess: bool  # the loop must measure ESS on incoming batches
+
+    def routine(self, step: int, trainer_version: int, generator_version: int) -> bool:
+        """Whether a routine (lagged) delivery happens after `step` (0-based)."""
+        ...
+
+    def trips(self, ess: float) -> bool:
+        """Whether an incoming batch with this ESS forces a re-sync to current weights."""
+        ...
+
+    def overdue(self, steps_since_resync: int) -> bool:
+        """Whether so many steps passed since the last re-sync that one is forced now."""
+        ...
+
+
+@dataclass(frozen=True)
+class EveryK:
+    """`every:K`: a routine delivery after every K-th step."""
+
+    k: int = 1
+    measures_ess = False
+
+    @property
+    def spec(self) -> str:
+        return f"every:{self.k}"
+
+    def routine(self, step: int, trainer_version: int, generator_version: int) -> bool:
+        return (step + 1) % self.k == 0
+
+    def trips(self, ess: float) -> bool:
+        return False
+
+    def overdue(self, steps_since_resync: int) -> bool:
+        return False
+
+
+@dataclass(frozen=True)
+class BoundedK:
+    """`bounded:K`: deliver only when the generator would otherwise be more than K versions behind."""
+
+    k: int = 1
+    measures_ess = False
+
+    @property
+    def spec(self) -> str:
+        return f"bounded:{self.k}"
+
+    def routine(self, step: int, trainer_version: int, generator_version: int) -> bool:
+        return not self.admits(generator_version, trainer_version)
+
+    def admits(self, sampled_version: int, trained_version: int) -> bool:
+        """May a batch sampled at `sampled_version` be trained at `trained_version`?"""
+        return trained_version - sampled_version <= self.k
+
+    def trips(self, ess: float) -> bool:
+        return False
+
+    def overdue(self, steps_since_resync: int) -> bool:
+        return False
+
+
+@dataclass(frozen=True)
+class EssTrigger:
+    """`ess:TAU[:max=M]`: re-sync to current weights when the incoming batch's ESS < TAU.
+
+    ESS = (sum m r)^2 / (sum m * sum m r^2) over the batch's valid tokens, r untruncated
+    (tether.estimators.ess_token). An ESS exactly equal to TAU does not trip.
+    """
+
+    tau: float = 0.5
+    max_interval: int | None = None  # force a re-sync after this many steps without one
+    measures_ess = True
+
+    @property
+    def spec(self) -> str:
+        return f"ess:{self.tau:g}" + (f":max={self.max_interval}" if self.max_interval else "")
+
+    def routine(self, step: int, trainer_version: int, generator_version: int) -> bool:
+        return True
+
+    def trips(self, ess: float) -> bool:
+        return ess < self.tau
+
+    def overdue(self, steps_since_resync: int) -> bool:
+        return self.max_interval is not None and steps_since_resync >= self.max_interval
+
+
+_FORMS = "every:K, bounded:K, ess:TAU[:max=M] (e.g. ess:0.5:max=8), auto"
+
+
+def resolve_policy_spec(spec: str, estimator: str = "grpo") -> str:
+    """`auto` -> the estimator preset's policy (dlc: ess:0.5) or every:1; others unchanged."""
+    return PRESET_POLICIES.get(estimator, DEFAULT_POLICY) if spec == "auto" else spec
+
+
+def _int(spec: str, text: str, what: str, lo: int) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise ValueError(f"sync policy {spec!r}: {what} must be an integer, got {text!r}") from None
+    if value < lo:
+        raise ValueError(f"sync policy {spec!r}: {what} must be >= {lo}, got {value}")
+    return value
+
+
+def parse_sync_policy(spec: str, estimator: str = "grpo") -> SyncPolicy:
+    """`"every:2"` -> EveryK(2), `"ess:0.5:max=8"` -> EssTrigger(0.5, 8). ValueError lists the forms."""
+    spec = resolve_policy_spec(spec, estimator)
+    name, _, rest = spec.partition(":")
+    args = rest.split(":") if rest else []
+    if name in ("every", "bounded"):
+        if len(args) != 1:
+            raise ValueError(f"sync policy {spec!r}: expected {name}:K; valid forms: {_FORMS}")
+        return EveryK(_int(spec, args[0], "K", 1)) if name == "every" else \
+            BoundedK(_int(spec, args[0], "K", 0))
+    if name == "ess":
+        if not 1 <= len(args) <= 2:
+            raise ValueError(f"sync policy {spec!r}: expected ess:TAU[:max=M]; valid forms: {_FORMS}")
+        try:
+            tau = float(args[0])
+        except ValueError:
+            raise ValueError(f"sync policy {spec!r}: TAU must be a number in (0, 1], "
+                             f"got {args[0]!r}") from None
+        if not 0.0 < tau <= 1.0:
+            raise ValueError(f"sync policy {spec!r}: TAU must be in (0, 1] (ESS is normalised), "
+                             f"got {tau}")
+        max_interval = None
+        if len(args) == 2:
+            key, eq, value = args[1].partition("=")
+            if key != "max" or not eq:
+                raise ValueError(f"sync policy {spec!r}: unknown option {args[1]!r}; "
+                                 "the only option is max=M (steps), e.g. ess:0.5:max=8")
+            max_interval = _int(spec, value, "max", 1)
+        return EssTrigger(tau, max_interval)
+    raise ValueError(f"unknown sync policy {spec!r}; valid forms: {_FORMS}")
