@@ -227,7 +227,7 @@ def test_ess_policy_trips_exactly_below_the_threshold(stale_batch):
 def test_regenerate_resyncs_before_training(stale_batch):
     trainer, (_, _, regen), batch, (_, logp_old, _), _ = stale_batch
     regen.policy = EssTrigger(1.0)  # any staleness trips
-    score_now = lambda: trainer.score_old(batch, trainer.model)[0]  # noqa: E731
+    score_now = lambda: trainer.score_old(batch, trainer.model)[0]
     assert regen.check(batch, logp_old, 0, trainer.version, score_now) is True  # drop the batch
     regen.resync(trainer.version, trainer.model.state_dict())  # the loop syncs, then regenerates
     assert regen.generator_version == trainer.version > 0

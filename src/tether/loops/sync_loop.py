@@ -67,7 +67,7 @@ def train_sync(cfg: Config, resume: bool = False) -> RunResult:
         # 3. Staleness check (ess policy, on_trip=regenerate): a batch whose ESS at the current
         #    weights is below tau is dropped; the generator re-syncs and the prompts are resampled.
         if sync.check(batch, logp_old, sync.generator_version, trainer.version,
-                      lambda: trainer.score_old(batch, model)[0]):
+                      lambda b=batch: trainer.score_old(b, model)[0]):
             sync.resync(trainer.version, model.state_dict())
             rollouts, batch = sample(step)
             logp_old, topk_logp_old = score_old(trainer, batch, model_at)

@@ -10,6 +10,7 @@ then top-k, then top-p, then renormalised (`process_logits`).
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
 
 import torch
 from transformers import DynamicCache, PreTrainedModel
@@ -68,15 +69,28 @@ class HFGenerator:
 
     @torch.no_grad()
     def generate(
-        self, prompts: list[list[int]], prompt_ids: list[str], sampling: SamplingParams, seed: int
+        self, prompts: list[list[int]], prompt_ids: list[str], sampling: SamplingParams, seed: int,
+        refresh: Callable[[], bool] | None = None,
     ) -> list[Rollout]:
+        """`refresh` (partial rollouts): called between decode steps; it may load a newer
+        weight version into this engine and returns True when it did. Each token then
+        records the version that sampled it (`Rollout.token_versions`)."""
         g = torch.Generator().manual_seed(seed)
         self.noise.manual_seed(seed + 1)
         n = sampling.n
         rows = [p for p in prompts for _ in range(n)]  # prompt-major: group members adjacent
-        out = sample_tokens(self.model, rows, sampling, g, self.eos_id, self.pad_id)
+        step_versions: list[int] = []  # the version that sampled each decode step's tokens
+
+        def before_step() -> bool:
+            changed = step_versions != [] and refresh is not None and refresh()
+            step_versions.append(self.version)
+            return changed
+
+        out = sample_tokens(self.model, rows, sampling, g, self.eos_id, self.pad_id,
+                            before_step if refresh is not None else None)
         rollouts = []
         for i, (ids, logps, topk_ids, topk_logp, finish) in enumerate(out):
+            versions = step_versions[:len(ids)]
             rollouts.append(
                 Rollout(
                     prompt_id=prompt_ids[i // n],
@@ -84,12 +98,13 @@ class HFGenerator:
                     prompt_ids=list(rows[i]),
                     response_ids=ids,
                     logp_rollout=logps,
-                    version=self.version,
+                    version=versions[0] if versions else self.version,
                     engine=self.engine,
                     precision=self.precision,
                     finish_reason=finish,
                     topk_ids=topk_ids,
                     topk_logp=topk_logp,
+                    token_versions=versions if len(set(versions)) > 1 else None,
                 )
             )
         return rollouts
@@ -102,10 +117,14 @@ def sample_tokens(
     g: torch.Generator | None,
     eos_id: int,
     pad_id: int,
+    before_step: Callable[[], bool] | None = None,
 ) -> list[tuple[list[int], list[float], list[list[int]] | None, list[list[float]] | None, str]]:
     """Sample one continuation per prompt (temperature 0: greedy), batched, with a KV cache.
 
     Prompts are left-padded so every row's next token sits in the last column.
+    `before_step()` runs before each decode step; True means the model's weights changed,
+    and the KV cache is recomputed over every row's prefix with the new weights, so each
+    later token is drawn from the new version's distribution over its whole prefix.
     Returns per row: token ids, their log-probs, optional top-K ids and log-probs,
     and the finish reason.
     """
@@ -121,6 +140,9 @@ def sample_tokens(
     tokens, logps, tk_ids, tk_logp = [], [], [], []
     step_ids, _step_attn = input_ids, attn
     for _ in range(sampling.max_new_tokens):
+        if before_step is not None and before_step() and tokens:
+            cache = DynamicCache()  # weights changed: prefill the prefixes again
+            step_ids = torch.cat([input_ids, torch.stack(tokens, 1)], dim=1)
         position_ids = (attn.cumsum(-1) - 1).clamp(min=0)[:, -step_ids.shape[1]:]
         logits = model(
             input_ids=step_ids, attention_mask=attn, position_ids=position_ids,

@@ -3,17 +3,34 @@
 `rewarded_rollouts` samples G responses per problem and scores each with the reward
 function, so whoever holds an engine (the synchronous loop, or a rollout worker process
 in the asynchronous loop, tether.loops.async_loop) hands the trainer rewarded rollouts.
+
+`worker_main` is such a process: its own engine (hf or vllm) and reward function, work
+items from the trainer's queue, weights from its `WeightSubscriber`, rewarded batches
+back on the results queue, stamped with the version(s) that sampled them.
 """
 
 from __future__ import annotations
 
+import os
+import queue as queue_lib
+import signal
+import time
+import traceback
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
+import torch
 from transformers import PreTrainedTokenizerBase
 
+from tether.config import Config
+from tether.models import load_model
 from tether.models.tokenizer import encode_exact
+from tether.rewards import build_reward_fn
 from tether.rollout.types import Generator, Rollout, SamplingParams
+from tether.tasks import build_task
 from tether.tasks.base import Task
+from tether.weights.publisher import WeightSubscriber
 
 
 def rewarded_rollouts(generator: Generator, tokenizer: PreTrainedTokenizerBase, task: Task,
@@ -29,3 +46,68 @@ def rewarded_rollouts(generator: Generator, tokenizer: PreTrainedTokenizerBase, 
         reward = reward_fn(problems[ro.group_id], text)  # parses; a user's fn is guarded
         ro.reward, ro.reward_parts = reward.total, reward.parts
     return rollouts
+
+
+# -- a rollout worker process (asynchronous loop) ----------------------------------------------
+
+
+@dataclass(frozen=True)
+class WorkItem:
+    """One rollout batch to make: these training problems, at version >= min_version."""
+
+    slot: int  # position in the trainer's order
+    prompts: tuple[int, ...]  # training problem indices
+    attempts: tuple[int, ...]  # each prompt's attempt number (ledger)
+    min_version: int  # the published version when issued: the oldest weights allowed
+    seed: int
+
+
+@dataclass
+class BatchResult:
+    item: WorkItem
+    rollouts: list[Rollout]
+    worker: int
+    idle_s: float  # time the worker waited for this item (admission or weights)
+    generate_s: float
+    error: str | None = None  # a worker's traceback: the run stops with it
+
+
+def worker_main(index: int, cfg: Config, model_path: str, parent_pid: int, tasks: Any,
+                results: Any, weights: Any) -> None:
+    """Build an engine and the reward, then make rewarded batches until told to stop (None)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C: the trainer stops the run in order
+    torch.set_num_threads(cfg.loop.worker_threads)
+    item = None
+    try:
+        from tether.run import build_generator, sampling_params
+
+        task = build_task(cfg.task.name, **cfg.task.model_dump(exclude={"name"}))
+        reward_fn = build_reward_fn(cfg.reward.fn, cfg.reward.timeout, task)
+        model, tokenizer = load_model(model_path)
+        generator = build_generator(cfg, model, Path(model_path), tokenizer)
+        subscriber = WeightSubscriber(weights, generator)
+        sampling = sampling_params(cfg)
+        while True:
+            t0 = time.perf_counter()
+            item = _next_item(tasks, parent_pid)
+            if item is None:
+                break
+            subscriber.wait_for(item.min_version)
+            t1 = time.perf_counter()
+            extra = {"refresh": subscriber.poll} if cfg.loop.partial else {}
+            rollouts = rewarded_rollouts(generator, tokenizer, task, reward_fn, list(item.prompts),
+                                         sampling, item.seed, **extra)
+            results.put(BatchResult(item, rollouts, index, t1 - t0, time.perf_counter() - t1))
+        generator.close()
+    except Exception:  # noqa: BLE001 - any failure goes to the trainer, which stops the run
+        results.put(BatchResult(item, [], index, 0.0, 0.0, error=traceback.format_exc()))
+
+
+def _next_item(tasks: Any, parent_pid: int) -> WorkItem | None:
+    """The next work item; None to stop, also when the trainer's process is gone."""
+    while True:
+        try:
+            return tasks.get(timeout=1.0)
+        except queue_lib.Empty:
+            if os.getppid() != parent_pid:
+                return None

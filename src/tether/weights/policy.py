@@ -18,6 +18,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol
 
+import torch
+
+from tether.estimators.ess import ess_token
+
 ON_TRIP = ("train", "regenerate")
 # Presets whose method includes a sync policy; `sync.policy: auto` picks it.
 PRESET_POLICIES = {"dlc": "ess:0.5"}
@@ -161,3 +165,9 @@ def parse_sync_policy(spec: str, estimator: str = "grpo") -> SyncPolicy:
             max_interval = _int(spec, value, "max", 1)
         return EssTrigger(tau, max_interval)
     raise ValueError(f"unknown sync policy {spec!r}; valid forms: {_FORMS}")
+
+
+def staleness_ess(logp_now: torch.Tensor, logp_old: torch.Tensor, mask: torch.Tensor) -> float:
+    """What `ess:TAU` compares with TAU: the normalised token ESS of r = pi_theta / pi_old,
+    in float64 as the diagnostics compute staleness/ess/token."""
+    return float(ess_token(logp_now.double() - logp_old.double(), mask))

@@ -27,10 +27,10 @@ from typing import Any
 
 import torch
 
-from tether.estimators.ess import ess_token
-from tether.weights.policy import ON_TRIP, SyncPolicy
+from tether.weights.policy import ON_TRIP, SyncPolicy, staleness_ess
 from tether.weights.publisher import Publisher
 from tether.weights.snapshots import SnapshotStore
+
 
 class Synchronizer:
     """Owns the generator's weight version for the synchronous loop: one `check` and one
@@ -76,9 +76,9 @@ class Synchronizer:
         if self.on_trip == "train":
             self._pending = (batch, logp_old, batch_version == trainer_version, score_now)
             return False
-        ess = 1.0 if batch_version == trainer_version else _ess(score_now(), logp_old,
+        ess = 1.0 if batch_version == trainer_version else staleness_ess(score_now(), logp_old,
                                                                  batch.response_mask)
-        regenerate = self._record_ess(ess)
+        regenerate = self._recordstaleness_ess(ess)
         self._metrics["sync/regenerated"] = float(regenerate)
         if regenerate:
             self._metrics["staleness/versions/batch"] = 0.0
@@ -102,11 +102,11 @@ class Synchronizer:
             if fresh:
                 ess = 1.0
             elif logp_trained is None:  # the step was cut short: score at the current weights
-                ess = _ess(score_now(), logp_old, batch.response_mask)
+                ess = staleness_ess(score_now(), logp_old, batch.response_mask)
             else:  # its first mini-batch was scored before any update of this step
                 rows = batch.response_mask.shape[0] // self.minibatches
-                ess = _ess(logp_trained[:rows], logp_old[:rows], batch.response_mask[:rows])
-            self._resync_after_step = self._record_ess(ess)
+                ess = staleness_ess(logp_trained[:rows], logp_old[:rows], batch.response_mask[:rows])
+            self._resync_after_step = self._recordstaleness_ess(ess)
             self._pending = None
         V, g = trainer_version, self.publisher.version
         if self.lag > 0 and V > g:
@@ -135,7 +135,7 @@ class Synchronizer:
 
     # -- internals ---------------------------------------------------------------------
 
-    def _record_ess(self, ess: float) -> bool:
+    def _recordstaleness_ess(self, ess: float) -> bool:
         tripped = self.policy.trips(ess)
         self._metrics["sync/ess/token"] = ess
         self._metrics["sync/tripped"] = float(tripped)
@@ -182,8 +182,3 @@ class Synchronizer:
         g = int(state["generator_version"])
         self.publisher.publish(g, self.snapshots.state(g))
         self.steps_since_resync = int(state["steps_since_resync"])
-
-
-def _ess(logp_now: torch.Tensor, logp_old: torch.Tensor, mask: torch.Tensor) -> float:
-    """Token ESS of pi_theta / pi_old, in float64 as the diagnostics compute staleness/ess/token."""
-    return float(ess_token(logp_now.double() - logp_old.double(), mask))

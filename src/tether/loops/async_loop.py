@@ -1,0 +1,223 @@
+"""The asynchronous RL loop: rollout workers generate while the trainer trains. One screen.
+
+Workers (tether.rollout.worker, one process and engine each) take work items from a
+queue, sample with the newest weights published to them, reward, and send the batch back
+stamped with the version(s) that sampled it. The trainer takes batches in issue order,
+scores pi_old per token at its version, trains (the same step as the synchronous loop,
+tether.step) and publishes weights through shared memory. `Scheduler` admits work only
+within the staleness bound, decides when to publish and keeps the ledger. docs/async.md.
+"""
+
+from __future__ import annotations
+
+import os
+import queue as queue_lib
+import time
+from typing import Any
+
+import torch
+from tqdm import tqdm
+
+from tether.checkpoint import RunState, checkpoint_due, save_checkpoint
+from tether.config import Config
+from tether.guards import STOP
+from tether.ledger import Ledger
+from tether.logger import read_jsonl
+from tether.loops.scheduler import Scheduler
+from tether.rollout.hf import HFGenerator
+from tether.rollout.worker import BatchResult, worker_main
+from tether.run import Run, RunResult, build_run
+from tether.step import Diagnostics, score_old, train_step
+from tether.trainer import RolloutTensors, collate
+from tether.weights import SharedMemoryPublisher, SnapshotStore, parse_sync_policy
+from tether.weights.policy import staleness_ess
+
+
+def train_async(cfg: Config, resume: bool = False) -> RunResult:
+    run = build_run(cfg, resume)
+    model, trainer, tokenizer, eta = run.model, run.trainer, run.tokenizer, cfg.loop.max_staleness
+    policy = parse_sync_policy(cfg.sync.policy, cfg.train.estimator)
+    ctx = torch.multiprocessing.get_context("spawn")  # fork would copy torch's thread pools
+    tasks, results = ctx.Queue(), ctx.Queue()
+    weight_queues = [ctx.Queue() for _ in range(cfg.loop.workers)]
+    snapshots, ledger = SnapshotStore(model), Ledger(run.run_dir / "ledger.jsonl")
+    sched = Scheduler(cfg, policy, SharedMemoryPublisher(weight_queues), snapshots, ledger, tasks,
+                      run.sampling_seed)
+    state = RunState(trainer, sched)  # a checkpoint holds the ledger's length and what to re-issue
+    start, log = run.start(state, resume)
+    diagnose = Diagnostics(cfg.diagnostics, model, run.sampling, run.probe, tokenizer.eos_token_id,
+                           tokenizer.pad_token_id, cfg.train.micro_batch)
+    mirror = _Mirror(run, snapshots)  # the generator's numerics in this process, for diagnostics
+    workers = [ctx.Process(target=worker_main, daemon=True, name=f"tether-rollout-{i}",
+                           args=(i, cfg, str(run.model_path), os.getpid(), tasks, results,
+                                 weight_queues[i]))
+               for i in range(cfg.loop.workers)]
+    for w in workers:
+        w.start()
+    sched.publish(trainer.version, model.state_dict())
+
+    def model_at(v: int):  # the fp32 weights of version v: the trainer's own when current
+        return model if v == trainer.version else snapshots.model_at(v)
+
+    if start == 0:
+        log.log({"step": 0, **run.evaluate()})
+    done = read_jsonl(log.path)
+    before, rewards = done[0], [row["reward/mean"] for row in done[1:]]
+    bar = tqdm(total=cfg.train.steps, initial=start, disable=not cfg.run.progress, desc="train",
+               unit="step")
+    t_first, samples, tokens, step = None, 0, 0, start  # throughput counts from the first batch
+    try:
+        while step < cfg.train.steps:
+            # 1. Admit: issue every rollout batch the staleness bound allows.
+            sched.admit(trainer.version)
+            # 2. The next batch in issue order; waiting for it is the trainer's idle time.
+            t0 = time.perf_counter()
+            result = _next_batch(sched, results, workers)
+            t1 = time.perf_counter()
+            batch = collate(result.rollouts, tokenizer.pad_token_id)
+            V = trainer.version
+            behind = _behind(batch, V)  # (B, T) versions between the trainer and each token
+            if int(behind.max()) > eta:  # a safety net: admission makes this impossible
+                sched.drop(result.item, "over_staleness_bound")
+                continue
+
+            # 3. Score old log-probs at the weights that sampled each token (kept snapshots).
+            logp_old, topk_logp_old = score_old(trainer, batch, model_at)
+            t2 = time.perf_counter()
+
+            # 4. ESS policy with on_trip=regenerate: a batch too stale to learn from is dropped
+            #    and its prompts issued again with the current weights.
+            ess_row = {}
+            if policy.measures_ess and cfg.sync.on_trip == "regenerate" and int(behind.max()) > 0:
+                ess = staleness_ess(trainer.score_old(batch, model)[0], logp_old, batch.response_mask)
+                if policy.trips(ess):
+                    sched.drop(result.item, "ess_trip_regenerated")
+                    sched.publish(V, model.state_dict())
+                    continue
+                ess_row = {"sync/ess/token": ess, "sync/tripped": 0.0}
+
+            # 5. Loss and optimizer step(s) at the current weights.
+            out = train_step(trainer, batch, result.rollouts, logp_old, topk_logp_old,
+                             cfg.train.adv_std_norm)
+            tripped = False
+            if policy.measures_ess and not ess_row:  # on_trip=train: off the training forward
+                rows = batch.response_mask.shape[0] // cfg.train.minibatches
+                ess = staleness_ess(out.logp[:rows], logp_old[:rows], batch.response_mask[:rows]) \
+                    if out.logp is not None else 1.0
+                tripped = policy.trips(ess)
+                ess_row = {"sync/ess/token": ess, "sync/tripped": float(tripped)}
+            t3 = time.perf_counter()
+
+            # 6. Diagnostics: numerical / staleness / total split, MoE routing, monitor.
+            diag = diagnose(step, run.sampling_seed(result.item.slot), batch, logp_old, out.logp,
+                            snapshots.model_at, mirror, sched.publisher.version)
+            t4 = time.perf_counter()
+
+            # 7. Ledger; publish per policy; free snapshots nothing queued needs.
+            sched.done(result.item, V, _per_prompt(behind, batch))
+            sync_metrics = sched.after_step(trainer.version, model.state_dict(), tripped)
+            t5 = time.perf_counter()
+            step += 1
+            if t_first is None:
+                t_first = t1  # the workers' start-up (engine load) is not throughput
+            else:
+                samples += len(result.rollouts)
+                tokens += int(batch.response_mask.sum())
+            valid = batch.response_mask.bool()
+            row = {"step": step, "version": trainer.version,
+                   "generator_version": int(batch.versions.min()),  # the oldest that sampled it
+                   **out.metrics, **diag, **ess_row, **sync_metrics,
+                   "staleness/versions/mean": float(behind[valid].float().mean()),
+                   "staleness/versions/max": float(behind[valid].max()),
+                   "async/queue_depth": float(len(sched.ready)),
+                   "async/in_flight": float(len(sched.outstanding) - len(sched.ready)),
+                   "async/generator_idle": result.idle_s, "async/worker": float(result.worker),
+                   "async/samples_per_s": samples / max(t5 - t_first, 1e-9),
+                   "async/tokens_per_s": tokens / max(t5 - t_first, 1e-9),
+                   "time/wait_data": t1 - t0, "time/generate": result.generate_s,
+                   "time/old_logprob": t2 - t1, "time/diagnostics": t4 - t3, "time/sync": t5 - t4,
+                   "time/step": t5 - t0}
+
+            # 8. Log, evaluate every E steps; checkpoint; on repeated bad steps or a signal, stop.
+            if run.eval_due(step):
+                row |= run.evaluate()
+            log.log(row)
+            rewards.append(row["reward/mean"])
+            bar.update(1)
+            bar.set_postfix(reward=f"{row['reward/mean']:.3f}",
+                            stale=f"{row['staleness/versions/mean']:.1f}",
+                            sps=f"{row['async/samples_per_s']:.1f}")
+            stop = trainer.guard.stop_reason(step, run.run_dir) or STOP.stop_reason(step, run.run_dir)
+            if stop:
+                sched.stop()  # in flight: dropped now, issued again on resume
+            if stop or checkpoint_due(step, cfg.run.checkpoint_every, cfg.train.steps):
+                save_checkpoint(run.run_dir, step, state, keep=cfg.run.keep_checkpoints)
+            if stop:
+                raise stop
+    finally:
+        _shutdown(workers, tasks)
+        ledger.close()
+    after = run.evaluate() if start == cfg.train.steps else row
+    log.close()
+    return run.finish(before, after, rewards)
+
+
+def _next_batch(sched: Scheduler, results: Any, workers: list[Any]) -> BatchResult:
+    """Block until the batch whose turn it is has arrived; fail if a worker died."""
+    while (result := sched.next_ready()) is None:
+        try:
+            sched.take(results.get(timeout=1.0))
+        except queue_lib.Empty:
+            dead = [w.name for w in workers if not w.is_alive()]
+            if dead:
+                raise RuntimeError(f"rollout worker(s) {', '.join(dead)} exited unexpectedly "
+                                   f"(exit codes {[w.exitcode for w in workers]})") from None
+    return result
+
+
+def _behind(batch: RolloutTensors, trainer_version: int) -> torch.Tensor:
+    """(B, T) versions between the trainer and the version that sampled each token (0 on padding)."""
+    return (trainer_version - batch.token_versions) * batch.response_mask.long()
+
+
+def _per_prompt(behind: torch.Tensor, batch: RolloutTensors) -> list[tuple[float, int]]:
+    """Mean and max staleness over each prompt's tokens (its group's rows), for the ledger."""
+    out = []
+    for g in batch.group_ids.unique(sorted=True):
+        rows = batch.group_ids == g
+        valid = batch.response_mask[rows].bool()
+        b = behind[rows][valid].float()
+        out.append((float(b.mean()) if b.numel() else 0.0, int(b.max()) if b.numel() else 0))
+    return out
+
+
+class _Mirror:
+    """The generator's numerics in the trainer's process (hf engine), loaded with a kept
+    version on demand: routing disagreement and the current-model monitor need the
+    generator's model, which lives in the workers. None for vLLM (its weights live in its
+    engine)."""
+
+    def __init__(self, run: Run, snapshots: SnapshotStore):
+        r, tok = run.cfg.rollout, run.tokenizer
+        self.generator = HFGenerator(run.model, tok.eos_token_id, tok.pad_token_id, r.precision,
+                                     r.router_noise) if r.engine == "hf" else None
+        self.snapshots = snapshots
+
+    def __call__(self, version: int) -> torch.nn.Module | None:
+        if self.generator is None:
+            return None
+        if self.generator.version != version:
+            self.generator.load_weights(self.snapshots.state(version), version)
+        return self.generator.model
+
+
+def _shutdown(workers: list[Any], tasks: Any) -> None:
+    """Tell each worker to stop after its batch; end those that do not within a few seconds."""
+    for _ in workers:
+        tasks.put(None)
+    deadline = time.monotonic() + 5.0
+    for w in workers:
+        w.join(timeout=max(0.0, deadline - time.monotonic()))
+        if w.is_alive():
+            w.terminate()
+            w.join()

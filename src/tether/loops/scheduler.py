@@ -1,0 +1,165 @@
+"""The asynchronous loop's bookkeeping: admission, training order, publishing, the ledger.
+
+Admission control (AReaL's rule, DESIGN.md section 4). Batches are trained in the order
+they were issued (slots 0, 1, 2, ...), each taking `train.minibatches` N versions, so a
+new slot's training starts at most at V + N * (slots issued and not yet trained), V the
+trainer's version now. A worker samples it with the newest published version, never
+older than the one published when it was issued (`WorkItem.min_version`). A slot is
+issued only while that start minus the published version is <= eta (loop.max_staleness):
+no trained token is more than eta versions stale, and no rollout is made only to be
+thrown away.
+
+Publishing (`sync.policy` in async mode): `every:K` publishes after every K-th version;
+`bounded:K` (K = eta) and `ess:TAU` publish lazily, only when the next slot could not be
+admitted otherwise, so the generator runs up to eta versions behind (DLC's lagging
+generator, made by the race); `ess:TAU` also publishes at once when an incoming batch's
+ESS trips, and with `max=M` after M versions without a publish.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from tether.config import Config
+from tether.ledger import Ledger
+from tether.rollout.worker import BatchResult, WorkItem
+from tether.weights.policy import EssTrigger, EveryK, SyncPolicy
+from tether.weights.publisher import SharedMemoryPublisher
+from tether.weights.snapshots import SnapshotStore
+
+Attempts = tuple[tuple[int, ...], tuple[int, ...]]  # (prompts, attempt numbers)
+
+
+class Scheduler:
+    def __init__(self, cfg: Config, policy: SyncPolicy, publisher: SharedMemoryPublisher,
+                 snapshots: SnapshotStore, ledger: Ledger, tasks: Any,
+                 seed_of: Callable[[int], int]):
+        self.eta, self.N = cfg.loop.max_staleness, cfg.train.minibatches
+        self.P, self.steps = cfg.rollout.prompts_per_step, cfg.train.steps
+        self.policy, self.publisher, self.snapshots = policy, publisher, snapshots
+        self.ledger, self.tasks, self.seed_of = ledger, tasks, seed_of
+        self.next_slot = 0  # the next slot number to issue
+        self.next_prompt = 0  # the next fresh training problem
+        self.train_slot = 0  # the next slot in training order
+        self.trained = 0  # batches trained: the loop's step
+        self.outstanding: dict[int, WorkItem] = {}  # issued, neither trained nor dropped
+        self.ready: dict[int, BatchResult] = {}  # generated, waiting for their turn
+        self.reissue: deque[Attempts] = deque()  # dropped prompts, issued first
+        self.dropped_since_log = 0
+
+    # -- issuing -------------------------------------------------------------------------
+
+    def admit(self, trainer_version: int) -> int:
+        """Issue every slot the staleness bound admits; returns how many were issued."""
+        issued = 0
+        while self.trained + len(self.outstanding) < self.steps and self._admissible(trainer_version):
+            if self.reissue:
+                prompts, attempts = self.reissue.popleft()
+            else:
+                prompts = tuple(range(self.next_prompt, self.next_prompt + self.P))
+                attempts, self.next_prompt = (0,) * self.P, self.next_prompt + self.P
+            item = WorkItem(self.next_slot, prompts, attempts, self.publisher.version,
+                            self.seed_of(self.next_slot))
+            self.ledger.issued(item.slot, list(zip(prompts, attempts)), item.min_version)
+            self.outstanding[item.slot] = item
+            self.tasks.put(item)
+            self.next_slot += 1
+            issued += 1
+        return issued
+
+    def _admissible(self, trainer_version: int) -> bool:
+        start = trainer_version + self.N * len(self.outstanding)  # latest its training can start
+        return start - self.publisher.version <= self.eta
+
+    # -- taking batches in order ---------------------------------------------------------
+
+    def take(self, result: BatchResult) -> None:
+        """A worker's batch arrived (any order)."""
+        if result.error is not None:
+            raise RuntimeError(f"rollout worker {result.worker} failed:\n{result.error}")
+        self.ready[result.item.slot] = result
+
+    def next_ready(self) -> BatchResult | None:
+        """The batch whose turn it is, if it has arrived."""
+        while self.train_slot < self.next_slot and self.train_slot not in self.outstanding:
+            self.train_slot += 1  # a dropped slot
+        return self.ready.pop(self.train_slot, None)
+
+    def done(self, item: WorkItem, trainer_version: int, staleness: list[tuple[float, int]]) -> None:
+        """`item`'s batch was trained, starting at `trainer_version`."""
+        self.ledger.trained(item.slot, list(zip(item.prompts, item.attempts)), trainer_version,
+                            staleness)
+        del self.outstanding[item.slot]
+        self.trained += 1
+
+    def drop(self, item: WorkItem, reason: str) -> None:
+        """Drop a batch (ledger: reason) and issue its prompts again, as the next attempt."""
+        self.ledger.dropped(item.slot, list(zip(item.prompts, item.attempts)), reason)
+        del self.outstanding[item.slot]
+        self.ready.pop(item.slot, None)
+        self.reissue.append((item.prompts, tuple(a + 1 for a in item.attempts)))
+        self.dropped_since_log += 1
+
+    def stop(self) -> None:
+        """The run stops: everything issued and not trained is dropped, re-issued on resume."""
+        for item in sorted(self.outstanding.values(), key=lambda it: it.slot):
+            self.drop(item, "in_flight_at_stop")
+
+    # -- publishing ----------------------------------------------------------------------
+
+    def publish(self, version: int, weights: dict[str, torch.Tensor]) -> None:
+        self.snapshots.put(version, weights)  # pi_old of whatever it samples
+        self.publisher.publish(version, weights)
+
+    def after_step(self, trainer_version: int, weights: dict[str, torch.Tensor],
+                   tripped: bool) -> dict[str, float]:
+        """Publish per policy, free snapshots no batch can need; this step's metrics."""
+        V, pub = trainer_version, self.publisher.version
+        behind = V - pub
+        more = self.trained + len(self.outstanding) < self.steps
+        if isinstance(self.policy, EveryK):
+            due = behind >= self.policy.k
+        else:  # bounded:K, ess: lazily, when the next slot could not be admitted otherwise
+            due = more and not self._admissible(V)
+            if isinstance(self.policy, EssTrigger):
+                due = due or tripped or self.policy.overdue(behind)
+        if due and behind > 0:
+            self.publish(V, weights)
+        oldest = min((it.min_version for it in self.outstanding.values()),
+                     default=self.publisher.version)
+        freed = self.snapshots.release({v for v in self.snapshots.versions if v >= oldest})
+        out = {"sync/synced": float(due and behind > 0),
+               "sync/published_version": float(self.publisher.version),
+               "snapshots/count": float(len(self.snapshots)),
+               "snapshots/bytes": float(self.snapshots.nbytes), "snapshots/freed": float(len(freed)),
+               "async/dropped": float(self.dropped_since_log)}
+        self.dropped_since_log = 0
+        return out
+
+    # -- checkpoint hooks ----------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        in_flight = [[it.slot, list(it.prompts), list(it.attempts)]
+                     for it in sorted(self.outstanding.values(), key=lambda it: it.slot)]
+        return {"next_slot": self.next_slot, "next_prompt": self.next_prompt,
+                "trained": self.trained, "ledger_offset": self.ledger.offset(),
+                "reissue": [[list(p), list(a)] for p, a in self.reissue], "in_flight": in_flight,
+                "snapshot_versions": self.snapshots.versions}
+
+    def load_state_dict(self, state: dict[str, Any],
+                        snapshots: dict[int, dict[str, torch.Tensor]]) -> None:
+        """Back to the checkpoint: the ledger is cut there, and what was in flight then is
+        dropped (in_flight_at_stop) and issued again first."""
+        for v, sd in snapshots.items():
+            self.snapshots.put(int(v), sd)
+        self.ledger.truncate(int(state["ledger_offset"]))
+        self.next_slot = self.train_slot = int(state["next_slot"])
+        self.next_prompt, self.trained = int(state["next_prompt"]), int(state["trained"])
+        self.reissue = deque((tuple(p), tuple(a)) for p, a in state["reissue"])
+        for slot, prompts, attempts in state["in_flight"]:
+            self.ledger.dropped(slot, list(zip(prompts, attempts)), "in_flight_at_stop")
+            self.reissue.append((tuple(prompts), tuple(a + 1 for a in attempts)))
