@@ -22,7 +22,7 @@ from tether.estimators.ppo import ppo
 
 EXPECTED_PRESETS = {
     "naive", "grpo", "tis", "seq_tis", "mis", "icepop", "seq_mis", "geo_mis",
-    "cis", "gspo", "sapo", "vespo", "decoupled", "dlc",
+    "cis", "gspo", "sapo", "cispo", "vespo", "decoupled", "dlc",
 }  # fmt: skip
 
 
@@ -40,6 +40,21 @@ def test_presets_resolve_to_their_parts_and_defaults() -> None:
         "clip_low": 0.2, "clip_high": 0.28, "lam": 2.3, "kappa": 5e-3, "agg": "token-mean"
     }  # fmt: skip
     assert build_estimator("vespo").params["length_norm"] == "none"
+    assert build_estimator("cispo").params == {
+        "clip_low": 1.0, "clip_high": 4.0, "agg": "token-mean"
+    }  # fmt: skip
+
+
+def test_default_aggregation_is_the_sources() -> None:
+    # GSPO (eq. 5) and SAPO (eq. 5) average per response, (1/G) sum_i (1/|y_i|) sum_t; the
+    # others are token-level. The objective carries it, so compositions agree with presets.
+    per_response = {"gspo", "sapo"}
+    for name, preset in PRESETS.items():
+        expected = "seq-mean-token-mean" if name in per_response else "token-mean"
+        assert preset.agg == expected, name
+        assert build_estimator(name).params["agg"] == expected, name
+    assert build_estimator("gspo+tis").params["agg"] == "seq-mean-token-mean"
+    assert build_estimator("sapo", agg="token-mean").params["agg"] == "token-mean"
 
 
 def test_composition_by_name_and_by_keyword_agree() -> None:
@@ -54,7 +69,7 @@ def test_unknown_name_lists_the_valid_ones() -> None:
         build_estimator("ppo_tis")
     with pytest.raises(ValueError, match="unknown estimator 'ppo\\+nope'"):
         build_estimator("ppo+nope")
-    with pytest.raises(ValueError, match="unknown objective 'nope'; valid: decoupled, gspo"):
+    with pytest.raises(ValueError, match="unknown objective 'nope'; valid: cispo, decoupled"):
         build_estimator(objective="nope")
 
 
@@ -69,7 +84,8 @@ def test_unknown_parameter_lists_the_valid_ones() -> None:
     ("preset", "params", "named"),
     [
         ("tis", {"cap": -1.0}, "'cap' must be > 0"),
-        ("grpo", {"clip_low": 1.0}, "'clip_low' must be in \\[0, 1\\)"),
+        # clip_low = 1 is allowed (no lower clip, cispo's default); above 1 is refused.
+        ("grpo", {"clip_low": 1.5}, "'clip_low' must be in \\[0, 1\\] \\(1: no lower clip\\)"),
         ("grpo", {"clip_high": -0.1}, "'clip_high'"),
         ("mis", {"lo": 3.0, "hi": 2.0}, "'lo' must be < 'hi'"),
         ("mis", {"lo": -0.1}, "'lo'"),
@@ -105,13 +121,15 @@ def test_compositions_that_would_count_a_correction_twice_are_refused() -> None:
         build_estimator("stale_is+tis+centering")
 
 
-def test_registries_refuse_duplicate_names() -> None:
+def test_registries_refuse_duplicate_names_and_unknown_aggregations() -> None:
     with pytest.raises(ValueError, match="objective 'ppo' is already registered"):
         OBJECTIVES.register("ppo", corrects="staleness", level="token", formula="", source="")(ppo)
     registry = Registry("thing")
     registry.add("a", ppo, corrects="staleness", level="token", formula="", source="")
     with pytest.raises(ValueError, match="thing 'a' is already registered"):
         registry.add("a", ppo, corrects="staleness", level="token", formula="", source="")
+    with pytest.raises(ValueError, match="agg must be one of"):
+        registry.add("b", ppo, corrects="staleness", level="token", formula="", source="", agg="x")
 
 
 def test_registry_reads_inputs_and_defaults_from_the_signature() -> None:
@@ -134,7 +152,8 @@ def test_docs_mirror_the_presets_table() -> None:
     docs = (Path(__file__).parents[2] / "docs" / "estimators.md").read_text()
     for r in presets_rows():
         row = (
-            f"| {r['preset']} | {r['composition']} | {r['corrects']} | `{r['formula']}` "
+            f"| {r['preset']} | {r['composition']} | {r['corrects']} | {r['agg']} "
+            f"| `{r['formula']}` "
             f"| {r['defaults']} | {r['source']} |"
         )
         assert row in docs, f"docs/estimators.md is out of date for {r['preset']}: {row}"

@@ -50,31 +50,49 @@ def test_grpo_clipped_surrogate_by_hand() -> None:
     assert out.metrics["objective/frac_clipped"] == pytest.approx(0.5)
 
 
-def test_gspo_sequence_ratio_and_clip_by_hand() -> None:
-    # Row 0: log r = [2e-4, 4e-4] -> s = e^(3e-4) = 1.00030005 < 1 + 4e-4: kept, l = -s.
-    # Row 1: log r = 1e-3 (x3)     -> s = e^(1e-3) = 1.0010005 > 1.0004, A = +1: l = -1.0004.
-    # Row 2: log r = -1e-3 (x2)    -> s = 0.9990005 < 1 - 3e-4, A = -1: l = +0.9997.
-    # token mean over 7 tokens: (2 (-1.00030005) + 3 (-1.0004) + 2 (0.9997)) / 7
-    pad = 0.0
-    batch = _batch(
-        [[2e-4, 4e-4, pad], [1e-3, 1e-3, 1e-3], [-1e-3, -1e-3, pad]],
-        [1.0, 1.0, -1.0],
-        mask=[[1, 1, 0], [1, 1, 1], [1, 1, 0]],
-    )
+def _close(actual: torch.Tensor, expected) -> None:
+    """Equal to a hand-derived float64 reference to 1e-9."""
+    expected = torch.as_tensor(expected, dtype=torch.float64)
+    torch.testing.assert_close(actual.detach(), expected, rtol=0.0, atol=1e-9)
+
+
+# Three responses of lengths 2, 3 and 2 (T = 3): the aggregations disagree here.
+_GSPO_LOG_R = [[2e-4, 4e-4, 0.0], [1e-4, -2e-4, 4e-4], [-1e-3, -1e-3, 0.0]]
+_GSPO_MASK = [[1, 1, 0], [1, 1, 1], [1, 1, 0]]
+
+
+def test_gspo_by_hand_averages_over_responses_not_tokens() -> None:
+    # eps = (3e-4, 4e-4): kept s in [0.9997, 1.0004].
+    #   row 0: mean log r = 3e-4  -> s0 = e^(3e-4) = 1.00030005,  A = +1: kept, l = -s0
+    #   row 1: mean log r = 1e-4  -> s1 = e^(1e-4) = 1.00010000,  A = -1: kept, l = +s1
+    #   row 2: mean log r = -1e-3 -> s2 = 0.99900050 < 0.9997, A = -1: clipped, l = +0.9997
+    # Default agg seq-mean-token-mean (GSPO eq. 5: (1/G) sum_i):
+    #   loss = (-s0 + s1 + 0.9997) / 3 = 0.33316665
+    #   d loss / d logp_t = -s_i A_i / (G |y_i|): row 0 -s0/6, row 1 +s1/9, row 2 0
+    # token-mean, the default before issue 17, weighs rows by length and gives
+    # (2 (-s0) + 3 s1 + 2 (0.9997)) / 7 = 0.42844285 and -s0/7, +s1/7.
+    batch = _batch(_GSPO_LOG_R, [1.0, -1.0, -1.0], mask=_GSPO_MASK)
     out = build_estimator("gspo")(batch)
-    s0 = math.exp(3e-4)
-    assert out.loss.item() == pytest.approx((2 * -s0 + 3 * -1.0004 + 2 * 0.9997) / 7, rel=1e-9)
-    # token form: each kept token's gradient is -s_i A / N, the clipped rows give 0
-    expected = torch.tensor([[-s0 / 7, -s0 / 7, 0], [0, 0, 0], [0, 0, 0]]).double()
-    torch.testing.assert_close(_grad(out.loss, batch), expected)
+    s0, s1 = math.exp(3e-4), math.exp(1e-4)
+    _close(out.loss, (-s0 + s1 + 0.9997) / 3)
+    _close(_grad(out.loss, batch), [[-s0 / 6] * 2 + [0], [s1 / 9] * 3, [0] * 3])
+    assert out.metrics["objective/frac_clipped"] == pytest.approx(2 / 7)
+
+    token_mean = build_estimator("gspo", agg="token-mean")(batch)
+    _close(token_mean.loss, (2 * -s0 + 3 * s1 + 2 * 0.9997) / 7)
+    _close(_grad(token_mean.loss, batch), [[-s0 / 7] * 2 + [0], [s1 / 7] * 3, [0] * 3])
 
 
-def test_gspo_sequence_mean_aggregation_gives_the_gradient_of_s() -> None:
-    # GSPO's own objective: grad of -A s_i, s_i = exp(mean_t log r_t), for one kept row.
-    batch = _batch([[1e-4, -2e-4, 3e-4]], [2.0])
-    out = build_estimator("gspo", agg="seq-mean-token-mean")(batch)
-    s = (batch.logp - batch.logp_old).mean().exp()
-    torch.testing.assert_close(_grad(out.loss, batch), _grad(-2.0 * s, batch))
+def test_gspo_default_gradient_is_the_gradient_of_the_sequence_objective() -> None:
+    # GSPO eq. 5 by autograd: J = (1/G) sum_i s_i A_i, s_i = exp(masked mean_t log r), rows
+    # of lengths 3 and 1, both kept.
+    log_r = [[1e-4, -2e-4, 3e-4], [2e-4, 0.0, 0.0]]
+    batch = _batch(log_r, [2.0, -1.0], mask=[[1, 1, 1], [1, 0, 0]])
+    out = build_estimator("gspo")(batch)
+    maskf = batch.mask.double()
+    s = (((batch.logp - batch.logp_old) * maskf).sum(-1) / maskf.sum(-1)).exp()  # (G,)
+    objective = -(s * torch.tensor([2.0, -1.0]).double()).mean()
+    _close(_grad(out.loss, batch), _grad(objective, batch))
 
 
 def test_sapo_soft_gate_by_hand() -> None:
@@ -89,6 +107,66 @@ def test_sapo_soft_gate_by_hand() -> None:
     # weight on the score: 4 g (1 - g) r, which is exactly 1 at r = 1
     coef = torch.tensor([[1.0, 1.0, 4 * g2 * (1 - g2) * math.exp(0.5)]]).double()
     torch.testing.assert_close(out.weights, coef)
+
+
+def test_sapo_by_hand_normalises_each_response_by_its_length() -> None:
+    # Row 0, length 1: r = 1, A = +1 (tau 1):     l = -4 * 0.5 = -2,  weight 4 g (1-g) r = 1
+    # Row 1, length 2, A = -1 (tau 1.05):
+    #   t0: r = 1:     l = (4/1.05) 0.5 = 1.9047619,  weight 1
+    #   t1: r = e^0.5 = 1.6487213: g = sigmoid(1.05 * 0.6487213 = 0.6811573) = 0.6639970
+    #       l = (4/1.05) g = 2.5295122,  weight 4 g (1 - g) r = 1.4713518
+    # Default agg seq-mean-token-mean (SAPO eq. 5): loss = (-2 + (1.9047619 + 2.5295122)/2)/2
+    #   = 0.1085685;  d loss / d logp = -weight A / (G |y_i|): row 0 -1/2, row 1 +1/4, +1.4713518/4
+    # (token-mean: (-2 + 1.9047619 + 2.5295122) / 3 = 0.8114247.)
+    batch = _batch([[0.0, 0.0], [0.0, 0.5]], [1.0, -1.0], mask=[[1, 0], [1, 1]])
+    out = build_estimator("sapo")(batch)
+    r = math.exp(0.5)
+    g = 1 / (1 + math.exp(-1.05 * (r - 1)))
+    weight = 4 * g * (1 - g) * r
+    _close(out.loss, (-2 + (2 / 1.05 + 4 / 1.05 * g) / 2) / 2)
+    _close(_grad(out.loss, batch), [[-0.5, 0.0], [0.25, weight / 4]])
+    _close(out.weights, [[1.0, 0.0], [1.0, weight]])
+
+
+def test_cispo_by_hand_clips_the_weight_and_keeps_every_gradient() -> None:
+    # Defaults (eps_lo, eps_hi) = (1, 4): w = clip(r, 0, 5), l = -w A log pi, token-mean.
+    # Row 0, length 3, A = +1, r = [0.5, 1, 6], logp_old = [-2, -1, -3]:
+    #   w = [0.5, 1, 5] (6 capped at 5), logp = [-2 + ln 0.5, -1, -3 + ln 6]
+    #     = [-2.6931472, -1, -1.2082405] -> l = [1.3465736, 1, 6.0412027]
+    # Row 1, length 1, A = -2, r = 0.1, logp_old = -0.5: no lower clip, w = 0.1
+    #   logp = -0.5 + ln 0.1 = -2.8025851 -> l = -0.1 * -2 * -2.8025851 = -0.5605170
+    # loss = (1.3465736 + 1 + 6.0412027 - 0.5605170) / 4 = 1.9568148
+    # d loss / d logp = -w A / 4: [-0.125, -0.25, -1.25] and +0.05. The capped token keeps its
+    # gradient (PPO's clip would zero it), and so does r = 0.1 (PPO would clip it at 0.8).
+    log_r = [[math.log(0.5), 0.0, math.log(6.0)], [math.log(0.1), 0.0, 0.0]]
+    logp_old = [[-2.0, -1.0, -3.0], [-0.5, 0.0, 0.0]]
+    batch = _batch(log_r, [1.0, -2.0], mask=[[1, 1, 1], [1, 0, 0]], logp_old=logp_old)
+    out = build_estimator("cispo")(batch)
+    logp = [-2 + math.log(0.5), -1.0, -3 + math.log(6.0), -0.5 + math.log(0.1)]
+    losses = [-0.5 * logp[0], -logp[1], -5 * logp[2], -0.1 * -2 * logp[3]]
+    _close(out.loss, sum(losses) / 4)
+    _close(_grad(out.loss, batch), [[-0.125, -0.25, -1.25], [0.05, 0.0, 0.0]])
+    _close(out.weights, [[0.5, 1.0, 5.0], [0.1, 0.0, 0.0]])
+    assert out.metrics["objective/frac_clipped"] == pytest.approx(1 / 4)  # the weight of r = 6
+
+
+def test_cispo_without_lower_clip_is_stale_is_with_cap_one_plus_eps_high() -> None:
+    gen = torch.Generator().manual_seed(3)
+    log_r = (0.8 * torch.randn(3, 5, generator=gen)).tolist()
+    advantages = torch.randn(3, 5, generator=gen).tolist()
+    batch = _batch(log_r, advantages)
+    cispo = build_estimator("cispo", clip_high=0.5)(batch)
+    stale = build_estimator("stale_is+none", stale_cap=1.5)(batch)
+    _close(cispo.loss, stale.loss)
+    _close(_grad(cispo.loss, batch), _grad(stale.loss, batch))
+
+
+def test_cispo_composes_with_a_mismatch_correction() -> None:
+    # cispo+tis: w_mm = min(rho, 2) times w = clip(r, 0, 5). rho = [3, 0.5], r = [6, 1].
+    batch = _batch([[math.log(6.0), 0.0]], [[1.0, 1.0]], log_rho=[[math.log(3.0), math.log(0.5)]])
+    out = build_estimator("cispo+tis")(batch)
+    _close(out.weights, [[2.0 * 5.0, 0.5 * 1.0]])
+    _close(_grad(out.loss, batch), [[-10.0 / 2, -0.5 / 2]])
 
 
 def test_vespo_phi_is_one_on_policy() -> None:
@@ -220,7 +298,8 @@ def test_decoupled_uses_logp_prox_when_given() -> None:
 
 @pytest.mark.parametrize("preset", [p for p in PRESETS if not PRESETS[p].centering])
 def test_weights_are_the_coefficient_on_the_score(preset: str) -> None:
-    # LossOutput.weights is c with d loss_t / d logp_t = -c A (token-mean: divided by N).
+    # LossOutput.weights is c with d loss_t / d logp_t = -c A / N: full rows of equal length,
+    # so every aggregation divides by N = 12.
     gen = torch.Generator().manual_seed(1)
     log_r = (0.1 * torch.randn(3, 4, generator=gen)).tolist()
     log_rho = (0.3 * torch.randn(3, 4, generator=gen)).tolist()

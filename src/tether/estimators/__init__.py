@@ -8,7 +8,18 @@ See DESIGN.md section 3 and docs/estimators.md.
 """
 
 # Importing the family modules registers their objectives and corrections.
-from tether.estimators import cis, gspo, masking, pg, ppo, sapo, stale_is, truncation, vespo  # noqa: F401
+from tether.estimators import (  # noqa: F401
+    cis,
+    cispo,
+    gspo,
+    masking,
+    pg,
+    ppo,
+    sapo,
+    stale_is,
+    truncation,
+    vespo,
+)
 from tether.estimators.base import (
     AGGREGATIONS,
     SAFETY_BOUND,

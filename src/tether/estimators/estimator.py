@@ -155,9 +155,11 @@ def build_estimator(
     build_estimator(objective="ppo", correction="tis")  keyword form
 
     Every estimator also takes agg ("token-mean", "seq-mean-token-mean",
-    "seq-mean-token-sum"). Raises ValueError for unknown names (listing the valid
-    ones), unknown parameters (listing this estimator's) and out-of-range values
-    (naming the parameter).
+    "seq-mean-token-sum"); its default is the objective's source's (seq-mean-token-mean
+    for gspo and sapo, token-mean for the others; docs/estimators.md says why).
+
+    Raises ValueError for unknown names (listing the valid ones), unknown parameters
+    (listing this estimator's) and out-of-range values (naming the parameter).
     """
     if name is not None and objective is not None:
         raise ValueError("give either a name or objective=..., not both")
@@ -198,7 +200,7 @@ def build_estimator(
     if shared:  # a guard for future registrations: one name, one meaning
         raise ValueError(f"{obj.name!r} and {corr.name!r} both take {sorted(shared)}")
 
-    defaults = {**obj.defaults, **corr.defaults, "agg": "token-mean"}
+    defaults = {**obj.defaults, **corr.defaults, "agg": obj.agg}
     unknown = sorted(set(params) - set(defaults))
     if unknown:
         raise ValueError(

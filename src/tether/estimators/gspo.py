@@ -5,10 +5,15 @@
     l_it   = -min(s_it A_it, clip(s_it, 1 - eps_lo, 1 + eps_hi) A_it),  eps = (3e-4, 4e-4)
 
 Source: Zheng et al., "Group Sequence Policy Optimization", arXiv 2507.18071 (the
-GSPO-token objective; with a sequence-constant advantage it equals GSPO). Corrects:
-staleness, at the sequence level: one length-normalised ratio per response, so the
-clip keeps or drops whole responses. The geometric mean is not an importance weight
-(biased), but its variance does not grow with length. Shapes (B, T); s_i is (B,).
+GSPO-token objective, eqs. 13-14; with a sequence-constant advantage it equals GSPO).
+Corrects: staleness, at the sequence level: one length-normalised ratio per response,
+so the clip keeps or drops whole responses. The geometric mean is not an importance
+weight (biased), but its variance does not grow with length. Shapes (B, T); s_i is (B,).
+
+Aggregation: seq-mean-token-mean by default, the paper's. GSPO's objective (eq. 5) is
+(1/G) sum_i of the sequence term and GSPO-token's (eq. 13) is (1/G) sum_i (1/|y_i|) sum_t:
+every response weighs the same whatever its length. token-mean would weigh a response
+by its length (TRL and verl's GSPO aggregate per sequence too).
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ from tether.estimators.registry import OBJECTIVES
     level="sequence",
     formula="-min(s A, clip(s, 1-eps_lo, 1+eps_hi) A), s = exp(mean_t log r)",
     source="GSPO (Zheng et al. 2025, arXiv 2507.18071)",
+    agg="seq-mean-token-mean",
 )
 def gspo(
     logp: torch.Tensor,

@@ -45,6 +45,11 @@ class Preset:
         return objective
 
     @property
+    def agg(self) -> str:
+        """The default aggregation: the objective's source's."""
+        return OBJECTIVES.get(self.objective).agg
+
+    @property
     def defaults(self) -> dict[str, object]:
         params = dict(OBJECTIVES.get(self.objective).defaults)
         params.update(CORRECTIONS.get(self.correction).defaults)
@@ -68,6 +73,7 @@ PRESETS: dict[str, Preset] = {
         ),
         Preset("gspo", "gspo", source="GSPO (Zheng et al., arXiv 2507.18071)"),
         Preset("sapo", "sapo", source="SAPO (Gao et al., arXiv 2511.20347)"),
+        Preset("cispo", "cispo", source="CISPO (MiniMax-M1, arXiv 2506.13585); eps_hi: ScaleRL"),
         Preset("vespo", "vespo", source="VESPO (Shen et al., arXiv 2602.10693)"),
         Preset("decoupled", "decoupled", source="AReaL decoupled PPO (Fu et al. 2025)"),
         Preset(
@@ -88,7 +94,7 @@ def _format_defaults(defaults: dict[str, object]) -> str:
 
 
 def presets_rows() -> list[dict[str, str]]:
-    """One dict per preset: name, composition, corrects, formula, defaults, source."""
+    """One dict per preset: name, composition, corrects, agg, formula, defaults, source."""
     rows = []
     for p in PRESETS.values():
         composition = f"{p.objective}+{p.correction}" + ("+centering" if p.centering else "")
@@ -97,6 +103,7 @@ def presets_rows() -> list[dict[str, str]]:
                 "preset": p.name,
                 "composition": composition,
                 "corrects": p.corrects,
+                "agg": p.agg,
                 "formula": p.formula,
                 "defaults": _format_defaults(p.defaults),
                 "source": p.source,
@@ -114,8 +121,9 @@ def format_presets_table() -> str:
     lines.append("  ".join("-" * widths[c] for c in columns))
     lines += ["  ".join(r[c].ljust(widths[c]) for c in columns).rstrip() for r in rows]
     lines.append("")
-    lines.append("Every preset also takes agg = token-mean (default), seq-mean-token-mean,")
-    lines.append("seq-mean-token-sum. Compose your own as 'objective+correction[+centering]'.")
+    lines.append("agg is the default aggregation, the source's; every preset also takes agg =")
+    lines.append("token-mean, seq-mean-token-mean or seq-mean-token-sum. Compose your own as")
+    lines.append("'objective+correction[+centering]' (agg defaults to the objective's).")
     lines.append(f"  objectives:  {', '.join(OBJECTIVES.names())}")
     lines.append(f"  corrections: {', '.join(CORRECTIONS.names())}")
     return "\n".join(lines)

@@ -2,7 +2,8 @@
 
 An entry is a pure function. Its positional parameters name the TokenBatch fields it
 reads; its keyword-only parameters are its floats (or strings), and their defaults are
-the estimator's defaults. So the signature is the whole spec: nothing is repeated.
+the estimator's defaults. So the signature is the whole spec: nothing is repeated. An
+objective also registers its source's aggregation (agg), the estimator's default agg.
 """
 
 from __future__ import annotations
@@ -38,6 +39,8 @@ class Entry:
     head_params: tuple[str, ...] = ()  # the objective's parameters head_weight takes
     # Objectives only: the objective already weighs by pi/mu, so a correction would count twice.
     includes_mismatch: bool = False
+    # Objectives only: the aggregation of the objective's source, the estimator's default agg.
+    agg: str = "token-mean"
 
 
 class Registry:
@@ -57,6 +60,7 @@ class Registry:
         source: str,
         head_weight: Callable[..., Any] | None = None,
         includes_mismatch: bool = False,
+        agg: str = "token-mean",
     ) -> Callable[[F], F]:
         def decorator(fn: F) -> F:
             self.add(
@@ -68,6 +72,7 @@ class Registry:
                 source=source,
                 head_weight=head_weight,
                 includes_mismatch=includes_mismatch,
+                agg=agg,
             )
             return fn
 
@@ -79,6 +84,8 @@ class Registry:
             raise ValueError(f"{self.kind} {name!r} is already registered")
         if meta.get("corrects") not in CORRECTS:
             raise ValueError(f"corrects must be one of {CORRECTS}, got {meta.get('corrects')!r}")
+        if meta.get("agg", "token-mean") not in AGGREGATIONS:
+            raise ValueError(f"agg must be one of {AGGREGATIONS}, got {meta.get('agg')!r}")
         params = inspect.signature(fn).parameters.values()
         inputs = tuple(p.name for p in params if p.kind is p.POSITIONAL_OR_KEYWORD)
         defaults = {p.name: p.default for p in params if p.kind is p.KEYWORD_ONLY}
@@ -116,7 +123,8 @@ def _number(name: str, value: Any) -> float:
 
 # name -> (test, what the value must be); +inf passes the caps on purpose ("no cap").
 _RULES: dict[str, tuple[Callable[[float], bool], str]] = {
-    "clip_low": (lambda x: 0.0 <= x < 1.0, "in [0, 1)"),
+    # clip_low = 1 puts the lower bound 1 - clip_low at 0, which r > 0 never crosses: no lower clip.
+    "clip_low": (lambda x: 0.0 <= x <= 1.0, "in [0, 1] (1: no lower clip)"),
     "clip_high": (lambda x: 0.0 <= x < math.inf, "finite and >= 0"),
     "cap": (lambda x: x > 0.0, "> 0"),
     "stale_cap": (lambda x: x > 0.0, "> 0"),

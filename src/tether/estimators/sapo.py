@@ -10,6 +10,11 @@ gate's weight 4 g (1 - g) r is exactly 1 (the 4/tau factor is there for that), s
 on-policy it is plain policy gradient; far from it the weight decays smoothly instead
 of dropping to 0. Corrects: staleness, as a soft trust region (biased, bounded
 variance). The larger tau for A < 0 makes negative updates decay faster. Shapes (B, T).
+
+Aggregation: seq-mean-token-mean by default, the paper's. SAPO's objective (eq. 5),
+J = E[(1/G) sum_i (1/|y_i|) sum_t f(r_it) A_it], normalises each response by its length
+before averaging over the group; token-mean would weigh a response by its length (TRL
+and verl aggregate SAPO per sequence too).
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ from tether.estimators.registry import OBJECTIVES
     level="token",
     formula="-(4/tau) sigmoid(tau (r - 1)) A, tau = tau_pos if A > 0 else tau_neg",
     source="SAPO (Gao et al. 2025, arXiv 2511.20347)",
+    agg="seq-mean-token-mean",
 )
 def sapo(
     logp: torch.Tensor,
