@@ -129,6 +129,8 @@ def train_async(cfg: Config, resume: bool = False) -> RunResult:
                    **out.metrics, **diag, **ess_row, **sync_metrics,
                    "staleness/versions/mean": float(behind[valid].float().mean()),
                    "staleness/versions/max": float(behind[valid].max()),
+                   "async/partial_frac": sum(ro.token_versions is not None
+                                             for ro in result.rollouts) / len(result.rollouts),
                    "async/queue_depth": float(len(sched.ready)),
                    "async/in_flight": float(len(sched.outstanding) - len(sched.ready)),
                    "async/generator_idle": result.idle_s, "async/worker": float(result.worker),

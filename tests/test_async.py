@@ -1,0 +1,207 @@
+"""The asynchronous loop: real worker processes racing the trainer, bounded staleness, the
+ledger, partial rollouts scored per token, and a stop by SIGTERM resumed without loss."""
+
+from __future__ import annotations
+
+import copy
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from tether.config import ConfigError, TrainConfig, load_config
+from tether.ledger import audit
+from tether.logger import read_jsonl
+from tether.loops import train
+from tether.models import load_model
+from tether.models.tokenizer import encode_exact
+from tether.rollout.hf import HFGenerator
+from tether.rollout.types import SamplingParams
+from tether.step import score_old
+from tether.tasks import build_task
+from tether.trainer import Trainer, collate, token_logprobs
+
+ASYNC = ["run.progress=false", "run.threads=1", "rollout.prompts_per_step=4",
+         "rollout.group_size=4", "rollout.max_new_tokens=12", "task.eval_size=16",
+         "eval.every=0", "eval.samples=0", "diagnostics.monitor_every=0", "loop.mode=async"]
+
+
+def _cfg(model_dir, run_dir, *extra):
+    return load_config("configs/countdown.yaml",
+                       [f"model.path={model_dir}", f"run.dir={run_dir}", *ASYNC, *extra])
+
+
+def test_two_workers_bounded_staleness_every_prompt_accounted_for(warm_model_dir, tmp_path):
+    steps, eta = 10, 2
+    train(_cfg(warm_model_dir, tmp_path, f"train.steps={steps}", "loop.workers=2",
+               f"loop.max_staleness={eta}", "train.lr=1e-3"))
+    a = audit(tmp_path / "ledger.jsonl")
+    assert a.ok, a.problems
+    assert a.open == [] and a.trained == steps * 4 and sum(a.dropped.values()) == 0
+    # Generation outpaces training here, so the queue fills to the bound and it binds.
+    assert a.max_staleness == eta
+    rows = read_jsonl(tmp_path / "metrics.jsonl")[1:]
+    assert [r["step"] for r in rows] == list(range(1, steps + 1))
+    assert max(r["staleness/versions/max"] for r in rows) == eta
+    assert {r["async/worker"] for r in rows} == {0.0, 1.0}  # both workers made batches
+    assert rows[-1]["version"] == steps and rows[-1]["async/samples_per_s"] > 0
+    # The decomposition works unchanged: fp32 generator, so the numerical part is ~0 while
+    # the staleness part is what the race made.
+    assert max(r["numerical/abs_log_ratio/max"] for r in rows) < 1e-4
+    assert max(r["staleness/k3_kl/mean"] for r in rows) > 0
+
+
+def test_config_refuses_what_async_cannot_mean():
+    for overrides, culprit in [
+        (["loop.mode=async", "sync.lag=2"], "sync.lag"),
+        (["loop.mode=async", "loop.partial=true", "rollout.engine=vllm"], "loop.partial"),
+        (["loop.partial=true"], "loop.mode=async"),
+        (["loop.mode=async", "loop.max_staleness=2", "sync.policy=bounded:3"], "loop.max_staleness"),
+        (["loop.mode=async", "loop.max_staleness=1", "sync.policy=every:3"], "every:K"),
+    ]:
+        with pytest.raises(ConfigError, match=culprit):
+            load_config("configs/countdown.yaml", overrides)
+
+
+# -- pi_old per row and per token --------------------------------------------------------------
+
+SAMPLING = SamplingParams(n=2, max_new_tokens=10)
+
+
+@pytest.fixture(scope="module")
+def two_versions(warm_model_dir):
+    """Version 0 (the warm model) and version 1 (one optimizer step later), and a tokenizer."""
+    model, tokenizer = load_model(warm_model_dir)
+    v0 = copy.deepcopy(model)
+    torch.manual_seed(0)
+    trainer = Trainer(model, TrainConfig(lr=1e-2, micro_batch=3), SAMPLING)
+    trainer.optimizer.zero_grad()
+    model(torch.tensor([[3, 4, 5, 6]])).logits.square().mean().backward()
+    trainer.optimizer.step()
+    trainer.version = 1
+    return trainer, v0, tokenizer
+
+
+def _rollouts(tokenizer, model, version, first_problem, **kw):
+    task = build_task("countdown")
+    problems = [task.train_problem(first_problem + i) for i in range(3)]
+    gen = HFGenerator(model, tokenizer.eos_token_id, tokenizer.pad_token_id, "fp32")
+    gen.version = version
+    return gen.generate([encode_exact(tokenizer, p.prompt) for p in problems],
+                        [p.id for p in problems], SAMPLING, seed=first_problem, **kw)
+
+
+def test_pi_old_per_row_and_per_token_version(two_versions, tokenizer):
+    trainer, v0, tok = two_versions
+    models = {0: v0, 1: trainer.model}
+    rollouts = _rollouts(tok, v0, 0, 0) + _rollouts(tok, trainer.model, 1, 3)
+    # Two responses span both versions, as under partial rollouts: tokens from 3 on at v1.
+    for ro in rollouts[:2]:
+        ro.token_versions = [0] * 3 + [1] * (len(ro.response_ids) - 3)
+    batch = collate(rollouts, tok.pad_token_id)
+    logp, _ = score_old(trainer, batch, models.__getitem__)
+    # Reference: every version's rows scored separately with that version's model.
+    for v, model in models.items():
+        rows = ((batch.token_versions == v) & batch.response_mask.bool()).any(1).nonzero().squeeze(1)
+        expected, _ = trainer.score_old(batch.select(rows), model)
+        at_v = (batch.token_versions[rows] == v) & batch.response_mask[rows].bool()
+        assert torch.equal(logp[rows][at_v], expected[at_v])  # batched the same way: bit-equal
+        whole, _ = trainer.score_old(batch, model)  # the whole batch at once: other batching
+        sel = (batch.token_versions == v) & batch.response_mask.bool()
+        assert torch.allclose(logp[sel], whole[sel], atol=1e-6, rtol=0)
+    # A batch of one version is one forward over the whole batch, as before.
+    single = collate(rollouts[2:6], tok.pad_token_id)
+    assert torch.equal(score_old(trainer, single, models.__getitem__)[0],
+                       trainer.score_old(single, v0)[0])
+
+
+def test_partial_rollout_samples_each_token_from_its_version(two_versions):
+    """Weights switch after decode step 4: later tokens are drawn from version 1 over their
+    whole prefix (the KV cache is recomputed), and each token records its version."""
+    trainer, v0, tok = two_versions
+    gen = HFGenerator(v0, tok.eos_token_id, tok.pad_token_id, "fp32")
+    calls = []
+
+    def refresh() -> bool:
+        calls.append(1)
+        if len(calls) == 4:
+            gen.load_weights(trainer.model.state_dict(), 1)
+            return True
+        return False
+
+    rollouts = _rollouts(tok, v0, 0, 0)  # same prompts, unswitched, for the prefix check
+    task = build_task("countdown")
+    problems = [task.train_problem(i) for i in range(3)]
+    switched = gen.generate([encode_exact(tok, p.prompt) for p in problems],
+                            [p.id for p in problems], SAMPLING, seed=0, refresh=refresh)
+    long = [ro for ro in switched if len(ro.response_ids) > 4]
+    assert long and all(ro.token_versions[:4] == [0] * 4 and set(ro.token_versions[4:]) == {1}
+                        for ro in long)
+    for a, b in zip(rollouts, switched):  # same seed: identical until the switch
+        assert a.response_ids[:4] == b.response_ids[:4]
+    batch = collate(long, tok.pad_token_id)
+    logp, _ = score_old(trainer, batch, {0: v0, 1: trainer.model}.__getitem__)
+    mask = batch.response_mask.bool()
+    assert torch.allclose(logp[mask], batch.logp_rollout[mask], atol=1e-5, rtol=0)
+    wrong, _ = token_logprobs(v0, batch, SAMPLING)  # scored at one version: a visible error
+    assert (wrong[:, 4:] - batch.logp_rollout[:, 4:]).abs()[mask[:, 4:]].max() > 1e-3
+
+
+def test_async_partial_rollouts_train(warm_model_dir, tmp_path):
+    # Long responses (hot sampling rarely ends early) on tiny batches: generating a batch
+    # takes longer than a training step, so weights land mid-batch (seen in 3 of 8 steps).
+    steps = 12
+    train(_cfg(warm_model_dir, tmp_path, f"train.steps={steps}", "loop.partial=true",
+               "loop.max_staleness=1", "rollout.max_new_tokens=24", "rollout.temperature=2.5",
+               "rollout.prompts_per_step=2", "rollout.group_size=2", "train.lr=1e-3"))
+    a = audit(tmp_path / "ledger.jsonl")
+    assert a.ok and a.trained == 2 * steps and a.max_staleness <= 1
+    rows = read_jsonl(tmp_path / "metrics.jsonl")[1:]
+    partial = [r["async/partial_frac"] for r in rows]
+    print("share of responses spanning two versions, per step:", partial)
+    assert sum(partial) > 0
+    # fp32 generator: pi_old per token is exact, so the numerical part stays at kernel noise
+    # on the batches that spanned two versions too.
+    assert max(r["numerical/abs_log_ratio/max"] for r in rows) < 1e-4
+
+
+# -- stop and resume -----------------------------------------------------------------------------
+
+
+def test_sigterm_mid_run_resumes_with_nothing_lost_or_trained_twice(warm_model_dir, tmp_path):
+    steps = 12
+    args = [f"model.path={warm_model_dir}", *ASYNC, f"train.steps={steps}", "loop.workers=2",
+            "loop.max_staleness=2", "run.checkpoint_every=0", "rollout.precision=bf16"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+
+    def tether(*a):
+        return subprocess.Popen([sys.executable, "-m", "tether.cli", "train", *a], env=env,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+    run = tether(*args, f"run.dir={tmp_path}")
+    metrics = tmp_path / "metrics.jsonl"
+    deadline = time.monotonic() + 120
+    while not (metrics.is_file() and len(metrics.read_text().splitlines()) >= 4):
+        assert run.poll() is None and time.monotonic() < deadline, run.communicate()[1][-2000:]
+        time.sleep(0.02)
+    run.send_signal(signal.SIGTERM)
+    _, err = run.communicate(timeout=60)
+    assert run.returncode == 128 + signal.SIGTERM, err[-2000:]
+    stopped = audit(tmp_path / "ledger.jsonl")
+    assert stopped.ok and stopped.open == []  # everything in flight was dropped, with its reason
+    in_flight = stopped.dropped["in_flight_at_stop"]
+    assert in_flight > 0 and stopped.trained < steps * 4
+
+    resumed = tether("--resume", str(tmp_path))
+    _, err = resumed.communicate(timeout=180)
+    assert resumed.returncode == 0, err[-2000:]
+    a = audit(tmp_path / "ledger.jsonl")
+    assert a.ok, a.problems  # no prompt trained twice, no outcome without an issue
+    assert a.open == [] and a.trained == steps * 4
+    assert a.dropped == stopped.dropped  # nothing else dropped
+    assert a.issued == steps * 4 + in_flight  # the dropped ones issued once more
+    assert [r["step"] for r in read_jsonl(metrics)] == list(range(steps + 1))
