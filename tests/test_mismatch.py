@@ -14,9 +14,9 @@ from tether.models.tokenizer import encode_exact
 from tether.rollout.hf import HFGenerator
 from tether.rollout.numerics import apply_numerics, fp8_targets, quantize_fp8
 from tether.rollout.types import SamplingParams
-from tether.weights import InProcessPublisher, SnapshotStore, Synchronizer, parse_sync_policy
 from tether.tasks import build_task
 from tether.trainer import Trainer, collate, group_advantages, token_logprobs
+from tether.weights import InProcessPublisher, SnapshotStore, Synchronizer, parse_sync_policy
 
 SAMPLING = SamplingParams(n=4, max_new_tokens=12)
 PROMPTS = 8  # x 4 samples = 32 sequences a step
