@@ -114,6 +114,6 @@ def test_bad_inputs_to_the_loss_are_named(random_model, bad):
         batch.logp_rollout[0, 1] = float("inf")
     before = [p.detach().clone() for p in random_model.parameters()]
     logp_old, _ = trainer.score_old(batch, random_model)
-    metrics = trainer.train_on(batch, adv, logp_old, None)[0]
+    metrics = trainer.train_on(batch, adv, logp_old, None)[0][0]
     assert metrics[f"guard/bad/{bad}"] == 1.0 and trainer.version == 0
     assert all(torch.equal(a, b) for a, b in zip(before, random_model.parameters()))

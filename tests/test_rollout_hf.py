@@ -131,7 +131,7 @@ def test_micro_batching_gives_the_whole_batch_metrics(random_model, tokenizer):
         trainer = Trainer(copy.deepcopy(random_model), TrainConfig(estimator="tis", micro_batch=micro),
                           sampling)
         logp_old, _ = trainer.score_old(batch, random_model)
-        metrics.append(trainer.train_on(batch, adv, logp_old, None)[0])
+        metrics.append(trainer.train_on(batch, adv, logp_old, None)[0][0])
     whole, parts = metrics
     keys = [k for k in whole if k.split("/")[-1] in ("mean", "max", "second_moment")
             or k.startswith("loss/")]

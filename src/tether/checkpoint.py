@@ -64,9 +64,10 @@ class RunState:
     """What a checkpoint holds: the objects the loop carries from step to step.
 
     `trainer` (tether.trainer.Trainer) has state_dict/load_state_dict and `.model`;
-    `sync` (tether.weights.Synchronizer) has state_dict() and load_state_dict(state,
-    snapshots), and owns the generator's version and the snapshot store: restoring it
-    puts the kept weights back and reloads the generator. `extra` takes any further
+    `sync` (tether.weights.Synchronizer, or the async loop's Scheduler) has `snapshots`,
+    state_dict() and load_state_dict(state, snapshots), and owns the generator's version
+    and the snapshot store: restoring it puts the kept weights back (and reloads the
+    generator, or cuts the ledger and re-issues what was in flight). `extra` takes any further
     stateful part (name -> object with state_dict/load_state_dict).
     """
 

@@ -24,7 +24,9 @@ Settings come from a YAML file (--config) and/or dotted key=value overrides, e.g
 Sections: model (which model; default is tether's own tiny Qwen3), task (countdown or
 numeric), reward (your own reward function, optional), rollout (engine, generator
 precision, sampling), train (steps, optimizer, estimator), sync (when the generator
-gets new weights), eval, run (directory, seed).
+gets new weights), loop (loop.mode=async: rollout workers generate while the trainer
+trains, loop.workers, loop.max_staleness, loop.partial; docs/async.md), eval, run
+(directory, seed).
 `tether config --fields` lists every key with its default and meaning;
 `tether config --config FILE [key=value ...]` prints the resolved config.
 Writes RUN_DIR/config.yaml, RUN_DIR/metrics.jsonl (one row per step), checkpoints in

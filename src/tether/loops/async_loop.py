@@ -92,7 +92,8 @@ def train_async(cfg: Config, resume: bool = False) -> RunResult:
                 ess = staleness_ess(trainer.score_old(batch, model)[0], logp_old, batch.response_mask)
                 if policy.trips(ess):
                     sched.drop(result.item, "ess_trip_regenerated")
-                    sched.publish(V, model.state_dict())
+                    if V > sched.publisher.version:
+                        sched.publish(V, model.state_dict())
                     continue
                 ess_row = {"sync/ess/token": ess, "sync/tripped": 0.0}
 
@@ -103,7 +104,8 @@ def train_async(cfg: Config, resume: bool = False) -> RunResult:
             if policy.measures_ess and not ess_row:  # on_trip=train: off the training forward
                 rows = batch.response_mask.shape[0] // cfg.train.minibatches
                 ess = staleness_ess(out.logp[:rows], logp_old[:rows], batch.response_mask[:rows]) \
-                    if out.logp is not None else 1.0
+                    if out.logp is not None else \
+                    staleness_ess(trainer.score_old(batch, model)[0], logp_old, batch.response_mask)
                 tripped = policy.trips(ess)
                 ess_row = {"sync/ess/token": ess, "sync/tripped": float(tripped)}
             t3 = time.perf_counter()
@@ -200,14 +202,16 @@ class _Mirror:
     engine)."""
 
     def __init__(self, run: Run, snapshots: SnapshotStore):
-        r, tok = run.cfg.rollout, run.tokenizer
-        self.generator = HFGenerator(run.model, tok.eos_token_id, tok.pad_token_id, r.precision,
-                                     r.router_noise) if r.engine == "hf" else None
-        self.snapshots = snapshots
+        self.run, self.snapshots = run, snapshots
+        self.generator: HFGenerator | None = None  # built on first use: a second copy of the model
 
     def __call__(self, version: int) -> torch.nn.Module | None:
-        if self.generator is None:
+        r, tok = self.run.cfg.rollout, self.run.tokenizer
+        if r.engine != "hf":
             return None
+        if self.generator is None:
+            self.generator = HFGenerator(self.run.model, tok.eos_token_id, tok.pad_token_id,
+                                         r.precision, r.router_noise)
         if self.generator.version != version:
             self.generator.load_weights(self.snapshots.state(version), version)
         return self.generator.model
@@ -215,6 +219,11 @@ class _Mirror:
 
 def _shutdown(workers: list[Any], tasks: Any) -> None:
     """Tell each worker to stop after its batch; end those that do not within a few seconds."""
+    while True:  # work not yet taken was dropped (ledger): nobody should start it
+        try:
+            tasks.get_nowait()
+        except queue_lib.Empty:
+            break
     for _ in workers:
         tasks.put(None)
     deadline = time.monotonic() + 5.0

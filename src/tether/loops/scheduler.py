@@ -12,8 +12,9 @@ thrown away.
 Publishing (`sync.policy` in async mode): `every:K` publishes after every K-th version;
 `bounded:K` (K = eta) and `ess:TAU` publish lazily, only when the next slot could not be
 admitted otherwise, so the generator runs up to eta versions behind (DLC's lagging
-generator, made by the race); `ess:TAU` also publishes at once when an incoming batch's
-ESS trips, and with `max=M` after M versions without a publish.
+generator, made by the race); `ess:TAU` also publishes when an incoming batch's ESS
+trips (after its step with on_trip=train; before re-issuing it with regenerate), and with
+`max=M` after M versions without a publish.
 """
 
 from __future__ import annotations

@@ -1,0 +1,120 @@
+"""Synchronous against asynchronous training, side by side in one run, on the same work.
+
+    python benchmarks/async.py                       # tether's demo model, HF engine
+    python benchmarks/async.py --steps 30 --engines hf,vllm --json out.json
+
+Every run trains the same model on the same Countdown prompts, with the same batch
+(prompts x group), response length, learning rate and number of steps, so the same
+number of samples: `sync` (generate, then train, in turn), then `async` with one rollout
+worker at eta = 1 and eta = 2 (loop.max_staleness). One torch thread per side: the
+trainer's and, in async mode, the worker's, so on a 2-core machine each side has a core.
+
+samples/s counts from the second batch on (engine start-up is not throughput): sync as
+samples of steps 2..N over their summed step times, async as `async/samples_per_s` at the
+last step (the same window). Held-out accuracy is sampled like the rollouts at the end
+(eval.samples per problem) at the trainer's weights. "Where the time goes" is the
+synchronous step split by phase; its generate share bounds what overlapping can save:
+with one generator and one trainer the step cannot take less than the larger of
+generation and the rest (ideal speedup = step / max(generate, rest)).
+
+What it leaves out: several workers per side (2 cores), and vLLM's start-up (~20 s) is
+excluded like the HF worker's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import tempfile
+import time
+from pathlib import Path
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--model", help="local HF model dir (default: the demo's tiny model, built "
+                   "and warm-started on first use)")
+    p.add_argument("--steps", type=int, default=30, help="training steps per run")
+    p.add_argument("--prompts", type=int, default=32, help="prompts per step")
+    p.add_argument("--group", type=int, default=8, help="responses per prompt")
+    p.add_argument("--max-new-tokens", type=int, default=12, help="longest response")
+    p.add_argument("--lr", type=float, default=1e-4, help="learning rate")
+    p.add_argument("--engines", default="hf", help="comma list of hf, vllm (vllm: if installed)")
+    p.add_argument("--json", help="also write the table as JSON here")
+    return p.parse_args()
+
+
+def run_one(common: list[str], extra: list[str]) -> dict[str, float]:
+    from tether.config import load_config
+    from tether.logger import read_jsonl
+    from tether.loops import train
+
+    with tempfile.TemporaryDirectory() as d:
+        cfg = load_config("configs/countdown.yaml", [*common, f"run.dir={d}/run", *extra])
+        t0 = time.perf_counter()
+        train(cfg)
+        wall = time.perf_counter() - t0
+        rows = read_jsonl(Path(d) / "run" / "metrics.jsonl")[1:]
+    last, batch = rows[-1], cfg.rollout.prompts_per_step * cfg.rollout.group_size
+    if cfg.loop.mode == "async":
+        sps = last["async/samples_per_s"]
+    else:
+        sps = batch * (len(rows) - 1) / sum(r["time/step"] for r in rows[1:])
+    phases = {k: sum(r.get(f"time/{k}", 0.0) for r in rows[1:]) for k in
+              ("generate", "old_logprob", "train", "diagnostics", "sync", "step", "wait_data")}
+    stale = [r.get("staleness/versions/mean", 0.0) for r in rows]
+    return {"samples_per_s": sps, "accuracy_sampled": last["eval/accuracy_sampled"],
+            "accuracy_greedy": last["eval/accuracy"], "wall_s": wall,
+            "staleness_mean": sum(stale) / len(stale), **{f"time/{k}": v for k, v in phases.items()}}
+
+
+def main() -> None:
+    args = parse_args()
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    from tether.config import load_config
+    from tether.rollout.vllm_engine import vllm_available
+    from tether.run import resolve_model_path
+
+    model = args.model or str(resolve_model_path(load_config("configs/countdown.yaml")))
+    common = [f"model.path={model}", f"train.steps={args.steps}", f"train.lr={args.lr}",
+              f"rollout.prompts_per_step={args.prompts}", f"rollout.group_size={args.group}",
+              f"rollout.max_new_tokens={args.max_new_tokens}", "run.progress=false",
+              "run.threads=1", "eval.every=0", "eval.samples=4", "run.checkpoint_every=0",
+              "diagnostics.monitor_every=0"]
+    runs = []
+    for engine in args.engines.split(","):
+        if engine == "vllm" and not vllm_available():
+            print("vllm: not installed, skipped (make install-vllm)")
+            continue
+        for name, extra in [("sync", []),
+                            ("async eta=1", ["loop.mode=async", "loop.max_staleness=1"]),
+                            ("async eta=2", ["loop.mode=async", "loop.max_staleness=2"])]:
+            res = run_one(common, [f"rollout.engine={engine}", *extra])
+            runs.append({"engine": engine, "run": name, **res})
+            print(f"{engine:5s} {name:12s} {res['samples_per_s']:7.1f} samples/s  "
+                  f"acc(sampled) {res['accuracy_sampled']:.3f}  wall {res['wall_s']:.0f}s",
+                  flush=True)
+    print(f"\n{args.steps} steps of {args.prompts} x {args.group}, <= {args.max_new_tokens} "
+          f"new tokens, lr {args.lr}, one torch thread per side, {os.cpu_count()} CPUs")
+    print(f"{'engine':6s} {'run':12s} {'samples/s':>9s} {'speedup':>7s} {'acc sampled':>11s} "
+          f"{'acc greedy':>10s} {'staleness':>9s} {'trainer idle':>12s}")
+    for r in runs:
+        base = next(x for x in runs if x["engine"] == r["engine"] and x["run"] == "sync")
+        idle = r["time/wait_data"] / r["time/step"] if r["time/step"] else 0.0
+        print(f"{r['engine']:6s} {r['run']:12s} {r['samples_per_s']:9.1f} "
+              f"{r['samples_per_s'] / base['samples_per_s']:6.2f}x {r['accuracy_sampled']:11.3f} "
+              f"{r['accuracy_greedy']:10.3f} {r['staleness_mean']:9.2f} {idle:11.0%}")
+    for r in (x for x in runs if x["run"] == "sync"):
+        step = r["time/step"]
+        rest = step - r["time/generate"]
+        shares = ", ".join(f"{k} {r[f'time/{k}'] / step:.0%}" for k in
+                           ("generate", "old_logprob", "train", "diagnostics", "sync"))
+        print(f"\n{r['engine']} sync step, where the time goes: {shares}; ideal overlap "
+              f"speedup with one generator and one trainer: {step / max(r['time/generate'], rest):.2f}x")
+    if args.json:
+        Path(args.json).write_text(json.dumps(runs, indent=1))
+
+
+if __name__ == "__main__":
+    main()
