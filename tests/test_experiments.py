@@ -109,7 +109,7 @@ def test_only_rejects_unknown_groups(tmp_path, capsys):
 
 def test_full_matrices_are_the_documented_ones():
     dlc = get("dlc").build()
-    assert len(dlc.groups()) == 19 and len(dlc.cells) == 57  # duplicates skipped, 3 seeds
+    assert len(dlc.groups()) == 21 and len(dlc.cells) == 63  # duplicates skipped, 3 seeds
     vespo = get("vespo").build()
     assert {c.scenario for c in vespo.cells} == {f"N{n}" for n in (1, 4, 8, 16, 32, 64)}
     assert len(vespo.groups()) == 36

@@ -16,6 +16,11 @@ Definitions (also in docs/experiments.md):
 - ESS < 0.5 step: first step whose `staleness/ess/token` < 0.5 (None: never).
 - rare-token share: the largest `monitor/kl_share/rare` seen (the current-model monitor).
 - collapse: the smoothed reward (running mean over 5 steps) ends below half its best.
+- staleness (versions): the run's mean over steps of how many versions the trainer was
+  ahead of the weights that sampled the batch (`staleness/versions/mean` in the async
+  loop, token-averaged within a step; `staleness/versions/batch` in the synchronous one);
+  max staleness: the largest over the run (`staleness/versions/max`, or the batch value).
+- wall seconds: the cell's `done.json` seconds (the whole `train` call, evaluations included).
 """
 
 from __future__ import annotations
@@ -85,6 +90,9 @@ def cell_stats(rows: list[dict]) -> dict[str, float | int | None]:
     _, acc = series(rows, "eval/accuracy")
     _, rare = series(rows, "monitor/kl_share/rare")
     _, ess = series(rows, "staleness/ess/token")
+    async_loop = any("staleness/versions/mean" in r for r in rows)
+    _, stale = series(rows, "staleness/versions/mean" if async_loop else "staleness/versions/batch")
+    _, stale_max = series(rows, "staleness/versions/max" if async_loop else "staleness/versions/batch")
     w = max(1, len(reward) // 4)
     sm = smooth(reward) if len(reward) else reward
     best = float(sm.max()) if len(sm) else float("nan")
@@ -111,6 +119,8 @@ def cell_stats(rows: list[dict]) -> dict[str, float | int | None]:
         "corr_adv_second_moment": _mean(rows, "correction/weight/adv_second_moment"),
         "numerical_k3": _mean(rows, "numerical/k3_kl/mean"),
         "step_seconds": _mean(rows, "time/step"),
+        "mean_staleness": float(stale.mean()) if len(stale) else float("nan"),
+        "max_staleness": float(stale_max.max()) if len(stale_max) else float("nan"),
     }
 
 
@@ -198,8 +208,10 @@ def summarize(out: Path, probe_tokens: int = 16) -> dict:
     for c in meta["cells"]:
         rows = cell_rows(out, c["name"])
         if rows:
+            done = out / "cells" / c["name"] / "done.json"
+            seconds = json.loads(done.read_text())["seconds"] if done.is_file() else float("nan")
             cells[c["name"]] = {"scenario": c["scenario"], "method": c["method"],
-                                "seed": c["seed"], **cell_stats(rows)}
+                                "seed": c["seed"], **cell_stats(rows), "wall_seconds": seconds}
     # Probe distances to the reference's final models.
     probe = make_probe(out, meta["model_path"], probe_tokens)
     mask = probe["response_mask"]
@@ -222,7 +234,8 @@ def summarize(out: Path, probe_tokens: int = 16) -> dict:
         for key in ("final_reward", "final_accuracy", "min_ess", "rare_kl_share_max",
                     "resyncs", "is_second_moment", "is_adv_second_moment",
                     "corr_second_moment", "corr_adv_second_moment", "numerical_k3",
-                    "step_seconds", "probe_kl_to_ref", "best_reward_smoothed"):
+                    "step_seconds", "probe_kl_to_ref", "best_reward_smoothed",
+                    "mean_staleness", "max_staleness", "wall_seconds"):
             g[key], g[key + "_std"] = _mean_std([m[key] for m in members])
         steps = [m["ess_below_0.5_step"] for m in members]
         g["ess_below_0.5_step"] = min((s for s in steps if s is not None), default=None)

@@ -7,6 +7,14 @@ re-sync` is the dlc estimator (staleness IS capped at 2 + centering) with
 never a re-sync; `dlc` adds the ESS < 0.5 re-sync (`ess:0.5`, the tripping batch trained on).
 The on-policy reference is exact x naive (fp32, lag 0, REINFORCE).
 
+Beside the simulated lag, a real race: `fp8_async<k>` is the fp8 generator in the
+asynchronous loop (`loop.mode=async`, one rollout worker process, admission bound
+eta = `loop.max_staleness` = k, `sync.lag=0`), where staleness is what the race gives,
+up to k versions. naive publishes lazily under `bounded:k` (the generator runs up to k
+versions behind, as at lag k), dlc keeps its `ess:0.5` (lazy, plus a publish when the
+ESS trips). Measured (RESULTS.md): one worker outpaces the trainer, so admission keeps k
+batches queued and every batch is trained exactly k versions stale, as at lag k.
+
 What it simplifies, to fit 60 minutes on 2 cores: cells that are provably the same run
 are not repeated. With lag 0 there is no staleness, so `dlc without re-sync` equals `dlc`
 (the ESS is 1 and never trips); with an fp32 generator rho = 1, so tis and mis equal
@@ -38,7 +46,17 @@ def scenarios(lag: int) -> dict[str, list[str]]:
         "fp8": ["rollout.precision=fp8", "sync.lag=0"],
         f"lag{lag}": ["rollout.precision=fp32", f"sync.lag={lag}"],
         f"fp8_lag{lag}": ["rollout.precision=fp8", f"sync.lag={lag}"],
+        f"fp8_async{lag}": ["rollout.precision=fp8", "sync.lag=0", "loop.mode=async",
+                            "loop.workers=1", f"loop.max_staleness={lag}"],
     }
+
+
+def method_overrides(scenario: str, method: str, lag: int) -> list[str]:
+    """A method's keys in a scenario: in the async one naive publishes lazily (bounded:k)."""
+    keys = METHODS[method]
+    if scenario.startswith("fp8_async") and method == "naive":
+        keys = [k for k in keys if not k.startswith("sync.policy=")] + [f"sync.policy=bounded:{lag}"]
+    return keys
 
 
 def build(quick: bool = False, seeds: int | None = None) -> Experiment:
@@ -50,7 +68,10 @@ def build(quick: bool = False, seeds: int | None = None) -> Experiment:
                        "task.eval_size=16", "eval.every=0", "eval.samples=0",
                        "diagnostics.monitor_every=2", "diagnostics.monitor_prompts=4",
                        "run.checkpoint_every=0"]
-        plan = {"exact": ["naive", "dlc"], f"fp8_lag{lag}": ["naive", "dlc"]}
+        # One tiny async cell: the race through the runner (its rollout worker is a child
+        # of the cell's process), not a measurement.
+        plan = {"exact": ["naive", "dlc"], f"fp8_lag{lag}": ["naive", "dlc"],
+                f"fp8_async{lag}": ["dlc"]}
     else:
         lag, n_seeds = 8, seeds or 3
         base = TASK + ["model.warmstart_steps=200", "train.steps=40", "train.lr=5e-4",
@@ -61,12 +82,14 @@ def build(quick: bool = False, seeds: int | None = None) -> Experiment:
         plan = {"exact": ["naive", "dlc"], "bf16": ["naive", "tis", "mis", "dlc"],
                 "fp8": ["naive", "tis", "mis", "dlc"],
                 f"lag{lag}": ["naive", "tis", "dlc_noresync", "dlc"],
-                f"fp8_lag{lag}": list(METHODS)}
+                f"fp8_lag{lag}": list(METHODS), f"fp8_async{lag}": ["naive", "dlc"]}
     scen = scenarios(lag)
-    cells = [Cell(s, m, seed, tuple(scen[s] + METHODS[m]))
+    cells = [Cell(s, m, seed, tuple(scen[s] + method_overrides(s, m, lag)))
              for seed in range(n_seeds) for s, methods in plan.items() for m in methods]
     notes = [f"lag k = {lag}; identical cells skipped (module docstring)",
-             "on-policy reference: exact x naive (fp32 generator, lag 0, REINFORCE)"]
+             "on-policy reference: exact x naive (fp32 generator, lag 0, REINFORCE)",
+             (f"fp8_async{lag}: the asynchronous loop, 1 rollout worker, eta = {lag}; "
+              "its reward is the lagged generator's, as under lag")]
     return Experiment("dlc", QUESTION, base, cells, ("exact", "naive"), notes)
 
 
@@ -75,4 +98,5 @@ COLUMNS = [("scenario", "generator"), ("method", "method"), ("seeds", "seeds"),
            ("reward_dev_sigma", "reward dev (σ)"), ("accuracy_dev_sigma", "acc dev (σ)"),
            ("probe_dev_sigma", "probe dev (σ)"), ("ess_below_0.5_step", "ESS<0.5 step"),
            ("min_ess", "min ESS"), ("resyncs", "re-syncs"),
+           ("mean_staleness", "staleness (versions)"),
            ("rare_kl_share_max", "rare KL share (max)"), ("numerical_k3", "numerical k3")]

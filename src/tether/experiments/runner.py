@@ -1,7 +1,8 @@
 """Run an experiment's matrix of cells (scenario x method x seed), in parallel, resumably.
 
 Each cell is one `tether.loops.train(cfg)` run in its own directory `OUT/cells/<name>`,
-in a worker process with one torch thread. A cell is done when its directory holds
+in its own spawned (non-daemonic: an async cell starts rollout worker processes) process
+with one torch thread, at most `workers` at once. A cell is done when its directory holds
 `done.json` (written after `train` returns, next to `final/`); a rerun skips done cells,
 resumes a cell that has a checkpoint and restarts one that has neither. The parent
 resolves (builds or finds) the starting model once, so workers never race to build it.
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import json
 import multiprocessing as mp
+import queue as queue_lib
 import shutil
 import time
 import traceback
@@ -92,6 +94,53 @@ def _run_cell(job: tuple[list[str], str]) -> tuple[str, float, str | None]:
         return run_dir, time.perf_counter() - t0, traceback.format_exc(limit=4)
 
 
+def _cell_process(job: tuple[list[str], str], results) -> None:
+    results.put(_run_cell(job))
+
+
+def _run_parallel(jobs: list[tuple[list[str], str]], workers: int):
+    """Yield `_run_cell`'s result for every job, at most `workers` at once, as they finish.
+
+    Each cell is its own spawned, non-daemonic process (a fresh interpreter: no torch thread
+    pools inherited), not a multiprocessing.Pool worker: Pool workers are daemonic, and a
+    daemonic process may not have children, which an async cell (loop.mode=async) starts
+    for its rollout workers. A cell process that dies without reporting (killed, out of
+    memory) is reported as failed with its exit code.
+    """
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    pending, running = list(jobs), {}  # run_dir -> (process, start time)
+    dead: dict[str, int] = {}  # run_dir -> polls since its process was seen exited
+    try:
+        while pending or running:
+            while pending and len(running) < max(1, workers):
+                job = pending.pop(0)
+                proc = ctx.Process(target=_cell_process, args=(job, results), daemon=False,
+                                   name=f"tether-cell-{Path(job[1]).name}")
+                proc.start()
+                running[job[1]] = (proc, time.perf_counter())
+            try:
+                run_dir, seconds, error = results.get(timeout=1.0)
+            except queue_lib.Empty:
+                for run_dir, (proc, t0) in list(running.items()):
+                    if proc.is_alive():
+                        continue
+                    dead[run_dir] = dead.get(run_dir, 0) + 1
+                    if dead[run_dir] >= 5:  # exited and nothing came in 5 s: it never reported
+                        del running[run_dir]
+                        yield run_dir, time.perf_counter() - t0, (
+                            f"cell process exited with code {proc.exitcode} without a result")
+                continue
+            if run_dir in running:
+                running.pop(run_dir)[0].join()
+                yield run_dir, seconds, error
+    finally:  # stopped early (an error, Ctrl-C): no cell outlives the command
+        for proc, _ in running.values():
+            if proc.is_alive():
+                proc.terminate()
+            proc.join()
+
+
 def resolve_start_model(base: list[str], model_path: str | None) -> str:
     """The starting model every cell loads: `model_path`, or the default one built once here."""
     if model_path:
@@ -134,15 +183,12 @@ def run_experiment(exp: Experiment, out: str | Path, workers: int = 2,
              str(cell_dir(out, c))) for c in todo]
     t0 = time.perf_counter()
     failed = {}
-    if jobs:
-        ctx = mp.get_context("spawn")  # fresh interpreters: no torch thread pools inherited
-        with ctx.Pool(min(workers, len(jobs)), maxtasksperchild=None) as pool:
-            for i, (run_dir, seconds, error) in enumerate(pool.imap_unordered(_run_cell, jobs), 1):
-                name = Path(run_dir).name
-                status = "FAILED" if error else "done"
-                log(f"  [{i}/{len(jobs)}] {name}: {status} in {seconds:.0f} s")
-                if error:
-                    failed[name] = error
+    for i, (run_dir, seconds, error) in enumerate(_run_parallel(jobs, workers), 1):
+        name = Path(run_dir).name
+        status = "FAILED" if error else "done"
+        log(f"  [{i}/{len(jobs)}] {name}: {status} in {seconds:.0f} s")
+        if error:
+            failed[name] = error
     wall = time.perf_counter() - t0
     (out / "failed.json").write_text(json.dumps(failed, indent=1))
     timing = {"wall_seconds": wall, "cells_run": len(jobs), "cells_failed": len(failed),
