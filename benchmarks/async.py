@@ -1,7 +1,7 @@
 """Synchronous against asynchronous training, side by side in one run, on the same work.
 
     python benchmarks/async.py                       # tether's demo model, HF engine
-    python benchmarks/async.py --steps 30 --engines hf,vllm --json out.json
+    python benchmarks/async.py --steps 30 --engines hf --json out.json
 
 Every run trains the same model on the same Countdown prompts, with the same batch
 (prompts x group), response length, learning rate and number of steps, so the same
@@ -40,7 +40,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--group", type=int, default=8, help="responses per prompt")
     p.add_argument("--max-new-tokens", type=int, default=12, help="longest response")
     p.add_argument("--lr", type=float, default=1e-4, help="learning rate")
-    p.add_argument("--engines", default="hf", help="comma list of hf, vllm (vllm: if installed)")
+    p.add_argument("--engines", default="hf,vllm",
+                   help="comma list of hf, vllm (vllm is skipped where not installed)")
     p.add_argument("--json", help="also write the table as JSON here")
     return p.parse_args()
 
