@@ -34,10 +34,14 @@ class RolloutTensors:
     logp_rollout: torch.Tensor  # (B, T)
     rewards: torch.Tensor  # (B,)
     group_ids: torch.Tensor  # (B,)
-    versions: torch.Tensor  # (B,) weight version that sampled each row's first token
     token_versions: torch.Tensor  # (B, T) version that sampled each token (partial rollouts: several)
     topk_ids: torch.Tensor | None = None  # (B, T, K)
     topk_logp_rollout: torch.Tensor | None = None  # (B, T, K)
+
+    @property
+    def versions(self) -> torch.Tensor:
+        """(B,) the version that sampled each row's first token (padding keeps the row's)."""
+        return self.token_versions[:, 0]
 
     @property
     def prompt_len(self) -> int:
@@ -84,7 +88,6 @@ def collate(rollouts: list[Rollout], pad_id: int) -> RolloutTensors:
         logp_rollout=logp_rollout,
         rewards=torch.tensor([float(r.reward or 0.0) for r in rollouts]),
         group_ids=torch.tensor([r.group_id for r in rollouts]),
-        versions=torch.tensor([r.version for r in rollouts]),
         token_versions=token_versions,
         topk_ids=topk_ids,
         topk_logp_rollout=topk_lp,

@@ -30,7 +30,7 @@ from tether.run import Run, RunResult, build_run
 from tether.step import Diagnostics, score_old, train_step
 from tether.trainer import RolloutTensors, collate
 from tether.weights import SharedMemoryPublisher, SnapshotStore, parse_sync_policy
-from tether.weights.policy import staleness_ess
+from tether.weights.policy import staleness_ess, trained_ess
 
 
 def train_async(cfg: Config, resume: bool = False) -> RunResult:
@@ -102,10 +102,8 @@ def train_async(cfg: Config, resume: bool = False) -> RunResult:
                              cfg.train.adv_std_norm)
             tripped = False
             if policy.measures_ess and not ess_row:  # on_trip=train: off the training forward
-                rows = batch.response_mask.shape[0] // cfg.train.minibatches
-                ess = staleness_ess(out.logp[:rows], logp_old[:rows], batch.response_mask[:rows]) \
-                    if out.logp is not None else \
-                    staleness_ess(trainer.score_old(batch, model)[0], logp_old, batch.response_mask)
+                ess = trained_ess(out.logp, logp_old, batch.response_mask, cfg.train.minibatches,
+                                  lambda b=batch: trainer.score_old(b, model)[0])
                 tripped = policy.trips(ess)
                 ess_row = {"sync/ess/token": ess, "sync/tripped": float(tripped)}
             t3 = time.perf_counter()

@@ -82,7 +82,7 @@ class HFGenerator:
         step_versions: list[int] = []  # the version that sampled each decode step's tokens
 
         def before_step() -> bool:
-            changed = step_versions != [] and refresh is not None and refresh()
+            changed = step_versions != [] and refresh()
             step_versions.append(self.version)
             return changed
 

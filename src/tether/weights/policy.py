@@ -15,6 +15,7 @@ asynchronous loop through its publish rule (docs/async.md).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -171,3 +172,17 @@ def staleness_ess(logp_now: torch.Tensor, logp_old: torch.Tensor, mask: torch.Te
     """What `ess:TAU` compares with TAU: the normalised token ESS of r = pi_theta / pi_old,
     in float64 as the diagnostics compute staleness/ess/token."""
     return float(ess_token(logp_now.double() - logp_old.double(), mask))
+
+
+def trained_ess(logp_trained: torch.Tensor | None, logp_old: torch.Tensor, mask: torch.Tensor,
+                minibatches: int, score_now: Callable[[], torch.Tensor]) -> float:
+    """`staleness_ess` at the weights a batch's training started from (on_trip=train).
+
+    Read off the training forward's first mini-batch, scored before any update of the step
+    (the later ones drift by the mini-batch source, which no re-sync removes); no extra
+    compute. `logp_trained` None (a step cut short): `score_now()` scores the whole batch.
+    """
+    if logp_trained is None:
+        return staleness_ess(score_now(), logp_old, mask)
+    rows = mask.shape[0] // minibatches
+    return staleness_ess(logp_trained[:rows], logp_old[:rows], mask[:rows])

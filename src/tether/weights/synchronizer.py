@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from tether.weights.policy import ON_TRIP, SyncPolicy, staleness_ess
+from tether.weights.policy import ON_TRIP, SyncPolicy, staleness_ess, trained_ess
 from tether.weights.publisher import Publisher
 from tether.weights.snapshots import SnapshotStore
 
@@ -78,7 +78,7 @@ class Synchronizer:
             return False
         ess = 1.0 if batch_version == trainer_version else staleness_ess(score_now(), logp_old,
                                                                  batch.response_mask)
-        regenerate = self._recordstaleness_ess(ess)
+        regenerate = self._record_ess(ess)
         self._metrics["sync/regenerated"] = float(regenerate)
         if regenerate:
             self._metrics["staleness/versions/batch"] = 0.0
@@ -99,14 +99,9 @@ class Synchronizer:
         """
         if self._pending is not None:  # on_trip=train: measured on the training forward
             batch, logp_old, fresh, score_now = self._pending
-            if fresh:
-                ess = 1.0
-            elif logp_trained is None:  # the step was cut short: score at the current weights
-                ess = staleness_ess(score_now(), logp_old, batch.response_mask)
-            else:  # its first mini-batch was scored before any update of this step
-                rows = batch.response_mask.shape[0] // self.minibatches
-                ess = staleness_ess(logp_trained[:rows], logp_old[:rows], batch.response_mask[:rows])
-            self._resync_after_step = self._recordstaleness_ess(ess)
+            ess = 1.0 if fresh else trained_ess(logp_trained, logp_old, batch.response_mask,
+                                                self.minibatches, score_now)
+            self._resync_after_step = self._record_ess(ess)
             self._pending = None
         V, g = trainer_version, self.publisher.version
         if self.lag > 0 and V > g:
@@ -135,7 +130,7 @@ class Synchronizer:
 
     # -- internals ---------------------------------------------------------------------
 
-    def _recordstaleness_ess(self, ess: float) -> bool:
+    def _record_ess(self, ess: float) -> bool:
         tripped = self.policy.trips(ess)
         self._metrics["sync/ess/token"] = ess
         self._metrics["sync/tripped"] = float(tripped)
