@@ -35,3 +35,12 @@ def random_model(tokenizer):
 def warm_model_dir() -> Path:
     return ensure_default_model(TEST_CACHE, moe=False, seed=0,
                                 warmstart_steps=TEST_WARMSTART_STEPS, verbose=False)
+
+
+@pytest.fixture(scope="session")
+def random_moe_dir(tmp_path_factory, tokenizer) -> Path:
+    """A random-init tiny MoE saved as a model directory (routing columns, no warm-start)."""
+    path = tmp_path_factory.mktemp("moe-model")
+    build_tiny_model(len(tokenizer), moe=True, seed=0).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path

@@ -69,7 +69,7 @@ def test_auto_takes_the_presets_policy():
     (["sync.policy=bounded:2", "sync.lag=3"], "sync.lag=3"),
     (["sync.lag=-1"], "sync.lag"),
     (["sync.on_trip=drop"], "sync.on_trip"),
-    (["train.estimator=dlc"], "rollout.logprobs_topk"),
+    (["train.estimator=dlc", "rollout.logprobs_topk=0"], "rollout.logprobs_topk=0"),
 ])
 def test_bad_sync_config_fails_at_load(overrides, culprit):
     from tether.config import ConfigError

@@ -37,6 +37,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from tether.config import Config, ConfigError, load_config, parse_overrides
+from tether.errors import InputError
 
 FORMAT = 1
 CHECKPOINTS = "checkpoints"
@@ -122,7 +123,7 @@ def load_checkpoint(run_dir: str | Path, state: RunState) -> int:
             step = int(doc["step"])
         except (OSError, ValueError, KeyError, TypeError, IndexError, SafetensorError) as e:
             # damaged on disk: name it and the way out
-            raise ValueError(
+            raise InputError(
                 f"checkpoint {ckpt} cannot be read ({type(e).__name__}: {e}); remove that "
                 f"directory to resume from the one before it"
             ) from None

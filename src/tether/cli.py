@@ -1,9 +1,11 @@
-"""The `tether` command: train, config, init-model, estimators, inspect, experiment, report.
+"""The `tether` command: train, config, init-model, estimators, probe, inspect, experiment, report.
 
-Errors a user can fix (bad config, bad data, wrong model directory) print one message
-and exit with status 2, without a Python traceback (TETHER_DEBUG=1 shows it). A run
-stopped by its guard after `train.max_bad_steps` bad steps in a row exits with 3; one
-stopped by SIGINT/SIGTERM finishes its step, checkpoints and exits with 128 + signal.
+Errors a user can fix (bad config, bad data, wrong model directory: tether.errors.InputError)
+print one message and exit with status 2, without a Python traceback (TETHER_DEBUG=1 shows
+it). Any other exception is a bug in tether: its traceback is printed, with a request to
+report it, and the status is 1. A run stopped by its guard after `train.max_bad_steps`
+bad steps in a row exits with 3; one stopped by SIGINT/SIGTERM finishes its step,
+checkpoints and exits with 128 + signal.
 """
 
 from __future__ import annotations
@@ -12,8 +14,11 @@ import argparse
 import os
 import signal
 import sys
+import traceback
 
-from tether.config import ConfigError, describe_fields, dump_config, load_config
+from tether import __version__
+from tether.config import ConfigError, dump_config, format_fields, load_config
+from tether.errors import InputError, StopRequested, TooManyBadSteps
 
 TRAIN_HELP = """\
 Train with RL: generate, score old log-probs, compute the loss, step, sync.
@@ -77,7 +82,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
 
 def _cmd_config(args: argparse.Namespace) -> int:
     if args.fields:
-        print("\n".join(describe_fields()))
+        print(format_fields(), end="")
         return 0
     print(dump_config(load_config(args.config, args.overrides)), end="")
     return 0
@@ -94,19 +99,45 @@ INSPECT_HELP = """\
 Summarise a run: which cause of the generator/trainer disagreement dominates over time
 (numerical: pi_old vs mu; staleness: pi_theta vs pi_old; k3 KL by window), when the
 staleness ESS fell below the re-sync threshold, when the generator received weights,
-snapshot memory, MoE routing disagreement and the current-model monitor when logged.
+snapshot memory, MoE routing disagreement and the current-model monitor when logged; ends
+with the correction `tether probe` would recommend from what the run logged.
 Writes RUN_DIR/plots/decomposition.png, ess_sync.png and learning.png (or into --out).
 Metric names and formulas: docs/metrics.md."""
 
 
 def _cmd_inspect(args: argparse.Namespace) -> int:
-    from tether.inspect import inspect_run
+    from tether.inspection import inspect_run
 
     text, paths = inspect_run(args.run_dir, args.out, plots=not args.no_plots, tau=args.tau,
                               windows=args.windows)
     print(text)
     for path in paths:
         print(f"plot: {path}")
+    return 0
+
+
+PROBE_HELP = """\
+Measure, with the run's model, engine, generator precision and sampling, how the generator
+and the trainer disagree, before spending a run on it:
+  numerical   same weights, different numerics: k1/k3 KL of pi_old vs mu, max |log rho|,
+              share of tokens with rho outside [1/2, 2] and outside the trainer's top-k/top-p
+              support; eps = logit pi_old - logit mu per confidence bin (MAD, q05, q95) beside
+              CIS's Appendix A; MoE routing disagreement (hf engine)
+  staleness   when the config makes any (sync.lag + train.minibatches - 1, or async
+              loop.max_staleness): that many optimizer steps at train.lr on fresh batches
+              while the engine keeps its weights, then the token ESS and k3 of pi_theta/pi_old
+Ends with the correction DLC's guidance gives for what was measured (a preset and a sync
+policy, as key=value overrides) and why. Nothing is written; about 5-35 s on the tiny model.
+docs/probe.md explains every figure and rule."""
+
+
+def _cmd_probe(args: argparse.Namespace) -> int:
+    import json
+
+    from tether.probe import probe
+
+    result = probe(load_config(args.config, args.overrides), batches=args.batches)
+    print(json.dumps(result.to_json(), indent=2) if args.json else result.format())
     return 0
 
 
@@ -205,6 +236,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_cmd_inspect)
 
     p = sub.add_parser(
+        "probe", help="Measure the generator/trainer mismatch before training; recommend a correction.",
+        description=PROBE_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
+    with_config(p)
+    p.add_argument("--batches", type=int, default=2, metavar="N",
+                   help="Rollout batches (rollout.prompts_per_step x rollout.group_size) sampled "
+                   "at equal weights for the numerical figures (default 2).")
+    p.add_argument("--json", action="store_true", help="Print the result as one JSON object.")
+    p.set_defaults(func=_cmd_probe)
+
+    p = sub.add_parser(
         "experiment", help="Run a paper's experiment matrix (dlc, cis, vespo); resumable.",
         description=EXPERIMENT_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("name", choices=["dlc", "cis", "vespo"], help="Which experiment.")
@@ -240,12 +281,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from tether.guards import StopRequested, TooManyBadSteps
-
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except (ConfigError, ValueError, OSError, ImportError) as e:
+    except InputError as e:
         if os.environ.get("TETHER_DEBUG"):
             raise
         print(f"tether {args.command}: error: {e}", file=sys.stderr)
@@ -256,6 +295,12 @@ def main(argv: list[str] | None = None) -> int:
     except StopRequested as e:
         print(f"tether {args.command}: {e}", file=sys.stderr)
         return 128 + e.signum
+    except Exception:  # noqa: BLE001 -- not the user's input: a bug, shown in full
+        traceback.print_exc()
+        print(f"tether {args.command}: this is a bug in tether, please report it with the "
+              f"traceback above (tether {__version__}, Python {sys.version.split()[0]})",
+              file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

@@ -11,11 +11,39 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Discriminator,
+    Field,
+    Tag,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
+
+from tether.defaults import (
+    EVAL_BATCH_SIZE,
+    GROUP_SIZE,
+    MAX_NEW_TOKENS,
+    MODEL_CACHE_DIR,
+    RARE_PROB,
+    TEMPERATURE,
+    WARMSTART_STEPS,
+)
+from tether.errors import InputError
 
 
-class ConfigError(ValueError):
+class ConfigError(InputError):
     """A configuration problem a person can act on: names the key, the value and the fix."""
+
+
+class CrossFieldError(ValueError):
+    """Settings that are each valid but conflict; `fields` are the dotted keys involved."""
+
+    def __init__(self, fields: list[str], message: str):
+        super().__init__(message)
+        self.fields = fields
 
 
 class _Node(BaseModel):
@@ -31,15 +59,19 @@ class ModelConfig(_Node):
     moe: bool = Field(False, description="Default model only: the Qwen3-MoE variant instead of dense.")
     seed: int = Field(0, description="Default model only: seed of its initialisation and warm-start.")
     warmstart_steps: int = Field(
-        900, ge=0, description="Default model only: supervised steps on synthetic worked solutions."
+        WARMSTART_STEPS, ge=0, description="Default model only: supervised steps on synthetic worked solutions."
     )
     cache_dir: str = Field(
-        "~/.cache/tether/models", description="Where built default models are cached."
+        MODEL_CACHE_DIR, description="Where built default models are cached."
     )
+
+
+TASK_NAME_HELP = ("Task: countdown, numeric, or your own class as 'package.module:Class' "
+                  "(docs/tasks.md).")
 
 
 class CountdownTaskConfig(_Node):
-    name: Literal["countdown"] = Field("countdown", description="Task: countdown or numeric.")
+    name: Literal["countdown"] = Field("countdown", description=TASK_NAME_HELP)
     num_numbers: int = Field(3, ge=2, le=6, description="How many numbers each problem gives.")
     num_min: int = Field(1, ge=0, description="Smallest number drawn.")
     num_max: int = Field(9, ge=1, description="Largest number drawn.")
@@ -61,14 +93,16 @@ class CountdownTaskConfig(_Node):
     @model_validator(mode="after")
     def _ranges(self) -> CountdownTaskConfig:
         if self.num_min > self.num_max:
-            raise ValueError(f"num_min ({self.num_min}) must be <= num_max ({self.num_max})")
+            raise CrossFieldError(["task.num_min", "task.num_max"],
+                                  f"num_min ({self.num_min}) must be <= num_max ({self.num_max})")
         if self.target_min > self.target_max:
-            raise ValueError(f"target_min ({self.target_min}) must be <= target_max ({self.target_max})")
+            raise CrossFieldError(["task.target_min", "task.target_max"],
+                                  f"target_min ({self.target_min}) must be <= target_max ({self.target_max})")
         return self
 
 
 class NumericTaskConfig(_Node):
-    name: Literal["numeric"] = Field("numeric", description="Task: countdown or numeric.")
+    name: Literal["numeric"] = Field("numeric", description=TASK_NAME_HELP)
     path: str = Field(description="Local JSONL or parquet file of prompt/answer rows (GSM8K style).")
     prompt_key: str = Field("prompt", description="Column holding the prompt text.")
     answer_key: str = Field("answer", description="Column holding the reference answer.")
@@ -79,7 +113,59 @@ class NumericTaskConfig(_Node):
     seed: int = Field(0, description="Seed of the train/eval split and the training order.")
 
 
-TaskConfig = Annotated[CountdownTaskConfig | NumericTaskConfig, Field(discriminator="name")]
+class UserTaskConfig(_Node):
+    """A task of your own, by import path; its other keys are its constructor's keyword
+    arguments, type-checked against their annotations at load (tether.tasks.user_task_params)."""
+
+    model_config = ConfigDict(extra="allow", frozen=True)
+    name: str = Field(
+        description="Your own task class (or factory): 'package.module:Class' or "
+        "'path/to/file.py:Class'; the other task.* keys are its keyword arguments. docs/tasks.md.",
+    )
+
+    @field_validator("name")
+    @classmethod
+    def _spec(cls, name: str) -> str:
+        module, sep, attr = name.rpartition(":")
+        if not sep or not module or not attr.isidentifier():
+            raise ValueError("must be 'package.module:Class' or 'path/to/file.py:Class'")
+        return name
+
+
+BUILTIN_TASKS: dict[str, type[_Node]] = {"countdown": CountdownTaskConfig, "numeric": NumericTaskConfig}
+
+
+def _task_kind(value: Any) -> str | None:
+    """The union tag of a task section: a built-in name, or 'user' for an import path."""
+    name = value.get("name") if isinstance(value, dict) else getattr(value, "name", None)
+    if isinstance(name, str) and ":" in name:
+        return "user"
+    return name if name in BUILTIN_TASKS else None
+
+
+TaskConfig = Annotated[
+    Annotated[CountdownTaskConfig, Tag("countdown")]
+    | Annotated[NumericTaskConfig, Tag("numeric")]
+    | Annotated[UserTaskConfig, Tag("user")],
+    Discriminator(_task_kind, custom_error_type="task_name",
+                  custom_error_message="unknown task: use countdown, numeric, or your own "
+                  "class as 'package.module:Class' / 'path/to/file.py:Class'"),
+]
+
+
+EXACT_TOPK_MAX_VOCAB = 64  # a small vocabulary is centered over every token (K = V)
+DEFAULT_CENTERING_TOPK = 20  # else the top 20: vLLM's default max_logprobs
+
+
+def resolve_logprobs_topk(cfg: Config, vocab_size: int) -> int:
+    """`rollout.logprobs_topk`, or when empty the estimator's need (see its description)."""
+    if cfg.rollout.logprobs_topk is not None:
+        return cfg.rollout.logprobs_topk
+    from tether.estimators import build_estimator
+
+    if not build_estimator(cfg.train.estimator, **cfg.train.estimator_params).centering:
+        return 0
+    return vocab_size if vocab_size <= EXACT_TOPK_MAX_VOCAB else DEFAULT_CENTERING_TOPK
 
 
 class RolloutConfig(_Node):
@@ -92,13 +178,16 @@ class RolloutConfig(_Node):
         "router logits (routing disagreement at equal weights; docs/mismatch.md). 0: off.",
     )
     prompts_per_step: int = Field(32, ge=1, description="Prompts sampled per step.")
-    group_size: int = Field(8, ge=1, description="Responses per prompt (the GRPO group, G).")
-    temperature: float = Field(1.0, ge=0.0, description="Sampling temperature (0: greedy).")
+    group_size: int = Field(GROUP_SIZE, ge=1, description="Responses per prompt (the GRPO group, G).")
+    temperature: float = Field(TEMPERATURE, ge=0.0, description="Sampling temperature (0: greedy).")
     top_k: int = Field(0, ge=0, description="Top-k truncation (0: off).")
     top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus truncation (1: off).")
-    max_new_tokens: int = Field(16, ge=1, description="Longest response, in tokens.")
-    logprobs_topk: int = Field(
-        0, ge=0, description="Also record the generator's top-K log-probs (needed by centering)."
+    max_new_tokens: int = Field(MAX_NEW_TOKENS, ge=1, description="Longest response, in tokens.")
+    logprobs_topk: int | None = Field(
+        None, ge=0,
+        description="Also record the generator's top-K log-probs (centering needs them). Empty: "
+        "what the estimator needs: 0, or for a centering preset (dlc) K = the vocabulary size "
+        f"when it is at most {EXACT_TOPK_MAX_VOCAB} (exact centering), else {DEFAULT_CENTERING_TOPK}.",
     )
 
 
@@ -185,7 +274,7 @@ class DiagnosticsConfig(_Node):
     monitor_prompts: int = Field(8, ge=1, description="Monitor: held-out prompts in the probe set.")
     monitor_samples: int = Field(4, ge=1, description="Monitor: samples per probe prompt.")
     rare_prob: float = Field(
-        0.05, gt=0.0, lt=1.0,
+        RARE_PROB, gt=0.0, lt=1.0,
         description="Monitor: a token is rare when the generator gives it probability below this.",
     )
     routing: bool = Field(
@@ -227,7 +316,7 @@ class RewardConfig(_Node):
 
 class EvalConfig(_Node):
     every: int = Field(10, ge=0, description="Greedy held-out accuracy every E steps (0: start and end only).")
-    batch_size: int = Field(200, ge=1, description="Prompts per evaluation forward.")
+    batch_size: int = Field(EVAL_BATCH_SIZE, ge=1, description="Prompts per evaluation forward.")
     samples: int = Field(
         4, ge=0, description="Also held-out accuracy sampled like the rollouts: samples per "
         "problem (0: greedy only).",
@@ -263,30 +352,34 @@ class Config(_Node):
     @model_validator(mode="after")
     def _cross_field(self) -> Config:
         if self.rollout.group_size < 2 and self.train.adv_std_norm:
-            raise ValueError(
+            raise CrossFieldError(
+                ["rollout.group_size", "train.adv_std_norm"],
                 "rollout.group_size=1 with train.adv_std_norm=true: group-normalised advantages "
                 "need at least 2 responses per prompt; raise rollout.group_size"
             )
         if self.rollout.router_noise > 0 and self.rollout.engine != "hf":
-            raise ValueError("rollout.router_noise perturbs the hf engine's MoE router: "
+            raise CrossFieldError(["rollout.router_noise", "rollout.engine"], "rollout.router_noise perturbs the hf engine's MoE router: "
                              "set rollout.engine=hf")
         batch = self.rollout.prompts_per_step * self.rollout.group_size
         if batch % self.train.minibatches:
-            raise ValueError(
+            raise CrossFieldError(
+                ["train.minibatches", "rollout.prompts_per_step", "rollout.group_size"],
                 f"train.minibatches={self.train.minibatches} must divide the rollout batch "
                 f"(rollout.prompts_per_step * rollout.group_size = {batch})"
             )
         if self.loop.mode == "async" and self.sync.lag:
-            raise ValueError(
+            raise CrossFieldError(
+                ["sync.lag", "loop.mode"],
                 f"sync.lag={self.sync.lag} with loop.mode=async: sync.lag simulates a stale "
                 "generator in the synchronous loop; in async mode staleness comes from the race, "
                 "bounded by loop.max_staleness: set sync.lag=0"
             )
         if self.loop.partial and self.loop.mode != "async":
-            raise ValueError("loop.partial=true needs loop.mode=async (weights change mid-batch "
+            raise CrossFieldError(["loop.partial", "loop.mode"], "loop.partial=true needs loop.mode=async (weights change mid-batch "
                              "only while generation and training overlap)")
         if self.loop.partial and self.rollout.engine != "hf":
-            raise ValueError(
+            raise CrossFieldError(
+                ["loop.partial", "rollout.engine"],
                 "loop.partial=true with rollout.engine=vllm: tether's in-process vLLM engine "
                 "cannot take new weights between decode steps of a running batch; use "
                 "rollout.engine=hf or loop.partial=false"
@@ -303,6 +396,18 @@ def _set_dotted(tree: dict[str, Any], dotted: str, value: Any) -> None:
             raise ConfigError(f"override {dotted}: {k} is a value, not a section")
         node = child
     node[keys[-1]] = value
+
+
+def _drop_dotted(tree: dict[str, Any], dotted: str) -> None:
+    """`~key` override: remove a key the config file set (as Hydra's `~key`)."""
+    *parents, last = dotted.split(".")
+    node: Any = tree
+    for k in parents:
+        node = node.get(k) if isinstance(node, dict) else None
+    if not isinstance(node, dict) or last not in node:
+        raise ConfigError(f"override ~{dotted}: the config file does not set {dotted}, so there "
+                          "is nothing to drop")
+    del node[last]
 
 
 def parse_overrides(overrides: list[str]) -> dict[str, Any]:
@@ -340,29 +445,67 @@ def _merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _format_errors(err: ValidationError, where: dict[str, str] | None = None) -> str:
+_TASK_TAGS = ("countdown", "numeric", "user")
+
+
+def _format_errors(err: ValidationError, where: dict[str, str] | None = None,
+                   task_name: str | None = None) -> str:
     """One line per error: dotted key, what is wrong, and `(FILE:LINE)` when it came from a file."""
-    lines = []
+    where = where or {}
+    lines: list[str] = []
+    foreign: list[tuple[str, str, str]] = []  # (key, the task it belongs to, where)
     for e in err.errors():
         # Drop the union tag pydantic inserts ("task.countdown.x" -> "task.x").
-        loc = [str(p) for p in e["loc"] if p not in ("countdown", "numeric")]
-        if e["type"] == "union_tag_invalid":
+        loc = [str(p) for p in e["loc"] if p not in _TASK_TAGS]
+        if e["type"] in ("union_tag_invalid", "task_name"):
             loc.append("name")
-        path = ".".join(loc) or "(top level)"
-        at = next((f" ({w})" for k, w in (where or {}).items() if k == path or k.startswith(path + ".")), "")
-        if e["type"] == "extra_forbidden":
-            close = difflib.get_close_matches(loc[-1], _keys_at(loc[:-1]), n=1)
-            hint = f"; did you mean {'.'.join([*loc[:-1], close[0]])}?" if close else ""
-            lines.append(f"{path}: unknown key{at}{hint}")
+        ctx_error = (e.get("ctx") or {}).get("error")
+        fields = getattr(ctx_error, "fields", None) or [".".join(loc) or "(top level)"]
+        path = " + ".join(fields)
+        at = _where(fields, where)
+        if e["type"] == "task_name":
+            lines.append(f"{path}: unknown task {task_name!r}; valid: 'countdown', 'numeric', or your "
+                         f"own class as 'package.module:Class' or 'path/to/file.py:Class'{at}")
+        elif e["type"] == "extra_forbidden" and (owner := _other_task(loc, task_name)):
+            foreign.append((path, owner, at))
+        elif e["type"] == "extra_forbidden":
+            lines.append(f"{path}: {_unknown_key(loc, task_name)}{at}")
+        elif ctx_error is not None:
+            lines.append(f"{path}: {ctx_error}{at}")
         else:
             got = e.get("input")
             shown = "" if isinstance(got, dict) else f" (got {got!r})"
             lines.append(f"{path}: {e['msg']}{shown}{at}")
+    if foreign:  # a task switched on top of a file written for another: one line, one fix
+        keys = ", ".join(p for p, _, _ in foreign)
+        lines.append(f"{keys}: {'keys' if len(foreign) > 1 else 'a key'} of task {foreign[0][1]}, "
+                     f"not of task {task_name}{foreign[0][2]}: remove them from the file, or drop "
+                     f"the file's task section with the override ~task (one key: ~{foreign[0][0]})")
     return "invalid config:\n  " + "\n  ".join(lines)
 
 
-def _keys_at(loc: list[str]) -> list[str]:
-    """Valid keys of the config section at `loc` (both task kinds for `task`)."""
+def _where(fields: list[str], where: dict[str, str]) -> str:
+    """` (FILE:LINE, command line)`: where each field (or a key under it) was set."""
+    found = [w for f in fields for k, w in where.items() if k == f or k.startswith(f + ".")]
+    return f" ({', '.join(dict.fromkeys(found))})" if found else ""
+
+
+def _other_task(loc: list[str], task_name: str | None) -> str | None:
+    """The built-in task a `task.KEY` belongs to when the named task has no such key."""
+    if len(loc) != 2 or loc[0] != "task" or task_name not in BUILTIN_TASKS:
+        return None
+    return next((n for n, node in BUILTIN_TASKS.items()
+                 if n != task_name and loc[1] in node.model_fields), None)
+
+
+def _unknown_key(loc: list[str], task_name: str | None) -> str:
+    """'unknown key', with the nearest valid name when one is close."""
+    close = difflib.get_close_matches(loc[-1], _keys_at(loc[:-1], task_name), n=1)
+    return "unknown key" + (f"; did you mean {'.'.join([*loc[:-1], close[0]])}?" if close else "")
+
+
+def _keys_at(loc: list[str], task_name: str | None = None) -> list[str]:
+    """Valid keys of the config section at `loc` (for `task`, the named task's, else all built-ins)."""
     nodes: list[type[BaseModel]] = [Config]
     for key in loc:
         nxt = []
@@ -371,7 +514,7 @@ def _keys_at(loc: list[str]) -> list[str]:
             if field is None:
                 continue
             if key == "task" and node is Config:
-                nxt += [CountdownTaskConfig, NumericTaskConfig]
+                nxt += [BUILTIN_TASKS[task_name]] if task_name in BUILTIN_TASKS else list(BUILTIN_TASKS.values())
             elif isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel):
                 nxt.append(field.annotation)
         nodes = nxt
@@ -416,7 +559,11 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
             raise ConfigError(f"config file {p} is not valid YAML: {e}") from None
         if not isinstance(tree, dict):
             raise ConfigError(f"config file {p} must hold a mapping at the top level")
-    extra = parse_overrides(overrides or [])
+    overrides = overrides or []
+    for item in (o for o in overrides if o.startswith("~")):
+        _drop_dotted(tree, item[1:].strip())
+        where = {k: w for k, w in where.items() if k != item[1:] and not k.startswith(item[1:] + ".")}
+    extra = parse_overrides([o for o in overrides if not o.startswith("~")])
     for key in _leaf_paths(extra):  # an override wins over the file: point at it instead
         where[key] = "command line"
     tree = _merge(tree, extra)
@@ -425,8 +572,14 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     try:
         cfg = Config.model_validate(tree)
     except ValidationError as e:
-        raise ConfigError(_format_errors(e, where)) from None
+        task_name = tree.get("task", {}).get("name") if isinstance(tree.get("task"), dict) else None
+        raise ConfigError(_format_errors(e, where, task_name)) from None
     _check_registries(cfg)
+    if isinstance(cfg.task, UserTaskConfig):  # its keys are its constructor's: check them now
+        from tether.tasks import user_task_params
+
+        params = user_task_params(cfg.task.name, cfg.task.model_dump(exclude={"name"}))
+        cfg = cfg.model_copy(update={"task": UserTaskConfig(name=cfg.task.name, **params)})
     return _resolve_sync(cfg)
 
 
@@ -441,8 +594,9 @@ def _check_registries(cfg: Config) -> None:
         raise ConfigError(f"train.estimator / train.estimator_params: {e}") from None
     if estimator.centering and cfg.rollout.logprobs_topk == 0:
         raise ConfigError(
-            f"train.estimator={cfg.train.estimator} centers scores over the generator's top-K "
-            "head: set rollout.logprobs_topk > 0 (e.g. 8)"
+            f"rollout.logprobs_topk=0 with train.estimator={cfg.train.estimator}: it centers "
+            "scores over the generator's top-K head; set rollout.logprobs_topk > 0 (e.g. 20), or "
+            "leave it empty for the estimator's default"
         )
     try:
         policy = parse_sync_policy(cfg.sync.policy, cfg.train.estimator)
@@ -505,18 +659,56 @@ def dump_config(cfg: Config) -> str:
     return yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False)
 
 
+SECTIONS = {
+    "model": "which model to train",
+    "task": "where prompts come from and how answers are rewarded",
+    "reward": "your own reward function (optional)",
+    "rollout": "the generator: engine, numerics, sampling",
+    "train": "the trainer: steps, optimizer, loss estimator",
+    "sync": "when the generator receives new weights",
+    "loop": "synchronous or asynchronous generation and training",
+    "diagnostics": "mismatch diagnostics and the current-model monitor",
+    "log": "where metrics go besides RUN_DIR/metrics.jsonl",
+    "eval": "held-out accuracy",
+    "run": "run directory, seed, threads, checkpoints",
+}
+
+
 def describe_fields(node: type[BaseModel] = Config, prefix: str = "") -> list[str]:
-    """One line per leaf key: dotted path, default and description."""
+    """One entry per leaf key, `"path = default\n    description"`; task keys per task kind,
+    `task.name` once."""
     lines = []
     for name, field in node.model_fields.items():
         ann = field.annotation
         path = f"{prefix}{name}"
         if isinstance(ann, type) and issubclass(ann, BaseModel):
             lines += describe_fields(ann, path + ".")
-        elif name == "task":
-            for sub in (CountdownTaskConfig, NumericTaskConfig):
-                lines += describe_fields(sub, f"{path}.")
+        elif name == "task" and node is Config:
+            lines += describe_fields(CountdownTaskConfig, "task.")
+            lines += [line for line in describe_fields(NumericTaskConfig, "task.")
+                      if not line.startswith("task.name ")]
         else:
             default = "required" if field.is_required() else repr(field.get_default(call_default_factory=True))
             lines.append(f"{path} = {default}\n    {field.description or ''}")
     return lines
+
+
+def format_fields() -> str:
+    """`tether config --fields`: every key under a header per section (per task kind for task)."""
+    out = []
+    for section, title in SECTIONS.items():
+        out.append(f"[{section}] {title}")
+        if section == "task":
+            kinds = {"countdown": CountdownTaskConfig, "numeric": NumericTaskConfig}
+            out += [f"  {line}" for line in describe_fields(CountdownTaskConfig, "task.")
+                    if line.startswith("task.name ")]
+            for kind, node in kinds.items():
+                out.append(f"  with task.name={kind}:")
+                out += [f"    {line}".replace("\n", "\n  ") for line in describe_fields(node, "task.")
+                        if not line.startswith("task.name ")]
+            out.append("  with task.name=package.module:Class: its constructor's keyword arguments")
+        else:
+            node = Config.model_fields[section].annotation
+            out += [f"  {line}" for line in describe_fields(node, f"{section}.")]
+        out.append("")
+    return "\n".join(out).rstrip() + "\n"

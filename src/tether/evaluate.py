@@ -9,10 +9,11 @@ from __future__ import annotations
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+from tether.defaults import EVAL_BATCH_SIZE, MAX_NEW_TOKENS
 from tether.models.tokenizer import encode_exact
 from tether.rollout.hf import sample_tokens
 from tether.rollout.types import SamplingParams
-from tether.tasks.base import Task
+from tether.tasks.base import Task, is_correct
 
 
 @torch.no_grad()
@@ -22,7 +23,7 @@ def heldout_accuracy(
     task: Task,
     sampling: SamplingParams,
     seed: int = 0,
-    batch_size: int = 200,
+    batch_size: int = EVAL_BATCH_SIZE,
 ) -> float:
     """Share of (held-out problem, sample) pairs that earn the full reward.
 
@@ -42,7 +43,8 @@ def heldout_accuracy(
                              tokenizer.pad_token_id)
         for j, (ids, *_rest) in enumerate(outs):
             text = tokenizer.decode(ids, skip_special_tokens=True)
-            solved += task.reward(chunk[j // n], text).parts.get("correct", 0.0) >= 1.0
+            reward = task.reward(chunk[j // n], text)
+            solved += is_correct(reward.parts, reward.total)
     model.train(was_training)
     return solved / max(1, len(problems) * n)
 
@@ -51,8 +53,8 @@ def greedy_accuracy(
     model: PreTrainedModel,
     tokenizer: PreTrainedTokenizerBase,
     task: Task,
-    max_new_tokens: int = 16,
-    batch_size: int = 200,
+    max_new_tokens: int = MAX_NEW_TOKENS,
+    batch_size: int = EVAL_BATCH_SIZE,
 ) -> float:
     """Share of held-out problems whose greedy answer earns the full reward."""
     greedy = SamplingParams(n=1, temperature=0.0, max_new_tokens=max_new_tokens)

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 from transformers import PreTrainedTokenizerBase
 
+from tether.errors import InputError, StopRequested, TooManyBadSteps  # the CLI maps them
 from tether.models.tokenizer import encode_exact
 from tether.tasks.base import Task
 
@@ -27,18 +28,6 @@ PREFLIGHT_MAX_TRAIN_PROMPTS = 20_000
 """Training prompts checked up front (the first ones the run will use). Countdown prompts
 are bounded by construction and datasets cycle, so this covers every built-in task; a
 longer stream is checked only this far."""
-
-
-class TooManyBadSteps(RuntimeError):
-    """`train.max_bad_steps` optimizer steps in a row were skipped for non-finite values."""
-
-
-class StopRequested(RuntimeError):
-    """The process was asked to stop (SIGINT/SIGTERM); the run stopped after a checkpoint."""
-
-    def __init__(self, message: str, signum: int):
-        super().__init__(message)
-        self.signum = signum
 
 
 def _resume_hint(run_dir: object) -> str:
@@ -177,7 +166,7 @@ def check_prompts(
         room = max_positions - longest
         fix = (f"lower rollout.max_new_tokens to at most {room}" if room >= 1
                else "the prompt alone is too long: shorten or drop it")
-        raise ValueError(
+        raise InputError(
             f"prompt {longest_id} is {longest} tokens; with rollout.max_new_tokens="
             f"{max_new_tokens} that is {longest + max_new_tokens} positions, more than the "
             f"model's context (max_position_embeddings={max_positions}): {fix}, or use a "

@@ -17,6 +17,8 @@ import numbers
 from pathlib import Path
 from typing import Any, Protocol
 
+from tether.errors import MissingPackageError
+
 
 def _clean(v: Any) -> Any:
     # JSON has no NaN/inf: write them as strings so a bad step stays visible in the log.
@@ -124,8 +126,8 @@ class RunLogger:
 def require(package: str, key: str) -> None:
     """Raise ImportError naming the config key and the install command if `package` is absent."""
     if importlib.util.find_spec(package) is None:
-        raise ImportError(f"{key}=true needs the {package} package: "
-                          f"pip install 'tether[{package}]' (or set {key}=false)")
+        raise MissingPackageError(f"{key}=true needs the {package} package: "
+                                  f"pip install 'tether[{package}]' (or set {key}=false)")
 
 
 def open_logger(run_dir: Path, tensorboard: bool = False, wandb: bool = False,

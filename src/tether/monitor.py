@@ -21,6 +21,7 @@ import math
 import torch
 from torch import nn
 
+from tether.defaults import RARE_PROB
 from tether.estimators.base import SAFETY_BOUND
 from tether.rollout.hf import sample_tokens
 from tether.rollout.types import Rollout, SamplingParams
@@ -36,7 +37,7 @@ def current_model_monitor(
     seed: int,
     eos_id: int,
     pad_id: int,
-    rare_prob: float = 0.05,
+    rare_prob: float = RARE_PROB,
 ) -> dict[str, float]:
     """Sample `sampling.n` responses per prompt from `model`, score them with `generator_model`."""
     was_training = model.training

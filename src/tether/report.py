@@ -18,6 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
+from tether.errors import InputError
 from tether.experiments import analysis, get
 from tether.experiments.analysis import quiet_transformers as _quiet_transformers
 
@@ -285,7 +286,7 @@ def build_report(out: str | Path, command: str | None = None) -> tuple[Path, Pat
     _quiet_transformers()
     out = Path(out)
     if not (out / "experiment.json").is_file():
-        raise ValueError(f"{out} is not an experiment directory (no experiment.json); "
+        raise InputError(f"{out} is not an experiment directory (no experiment.json); "
                          "run `tether experiment NAME --out DIR` first")
     meta = analysis.load_meta(out)
     summary = analysis.summarize(out)

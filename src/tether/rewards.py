@@ -29,20 +29,16 @@ is not reproducible bit for bit.
 
 from __future__ import annotations
 
-import importlib
-import importlib.util
 import inspect
 import logging
 import math
-import os
 import signal
-import sys
 import threading
-import traceback
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
+from tether.errors import InputError
+from tether.plugins import describe_exception, import_object
 from tether.tasks.base import Problem, Reward, Task
 
 log = logging.getLogger("tether.rewards")
@@ -65,66 +61,19 @@ def build_reward_fn(spec: str | None, timeout: float, task: Task) -> RewardFn:
 
 
 def load_reward_fn(spec: str) -> Callable[..., Any]:
-    """Import `module:function` or `file.py:function`; ValueError/ImportError name what failed."""
-    target, _, name = spec.rpartition(":")
+    """Import `module:function` or `file.py:function`; an InputError names what failed."""
+    name = spec.rpartition(":")[2]
     where = f"reward.fn={spec!r}"
-    try:
-        module = _import_file(Path(target), where) if _is_file(target) else _import_module(target, where)
-    except _Missing:
-        raise
-    except Exception as e:  # noqa: BLE001 -- the user's module failed while importing: say where
-        raise ValueError(f"{where}: importing {target} failed: {_describe(e)}") from None
-    fn = getattr(module, name, None)
-    if fn is None:
-        found = sorted(n for n, v in vars(module).items() if callable(v) and not n.startswith("_"))
-        raise ValueError(f"{where}: {target} has no {name!r}; it defines: {', '.join(found) or 'nothing callable'}")
+    fn = import_object(spec, where)
     if not callable(fn):
-        raise ValueError(f"{where}: {name} is a {type(fn).__name__}, not a function")  # noqa: TRY004
+        raise InputError(f"{where}: {name} is a {type(fn).__name__}, not a function")
     try:
         inspect.signature(fn).bind(None, "")
     except TypeError:
-        raise ValueError(f"{where}: {name} must take two arguments (problem, response)") from None
+        raise InputError(f"{where}: {name} must take two arguments (problem, response)") from None
     except ValueError:  # a builtin without a signature: let the call decide
         pass
     return fn
-
-
-def _is_file(target: str) -> bool:
-    return target.endswith(".py") or "/" in target or os.sep in target
-
-
-class _Missing(ValueError):
-    """The named module or file does not exist (nothing of the user's ran)."""
-
-
-def _import_module(name: str, where: str) -> Any:
-    cwd = os.getcwd()
-    if cwd not in sys.path and "" not in sys.path:  # `tether` scripts miss it; `python -m` has it
-        sys.path.insert(0, cwd)
-    try:
-        found = importlib.util.find_spec(name)
-    except (ImportError, ValueError):  # a parent package is missing, or the name is malformed
-        found = None
-    if found is None:
-        raise _Missing(
-            f"{where}: no module named {name!r} (searched the current directory and the "
-            f"installed packages); for a file give 'path/to/file.py:function'"
-        )
-    return importlib.import_module(name)
-
-
-def _import_file(path: Path, where: str) -> Any:
-    path = path.expanduser()
-    if not path.is_file():
-        raise _Missing(f"{where}: file {path} does not exist")
-    module_name = f"tether_user_reward_{path.stem}"
-    spec = importlib.util.spec_from_file_location(module_name, path)
-    if spec is None or spec.loader is None:
-        raise _Missing(f"{where}: {path} cannot be imported as a Python module")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[module_name] = module
-    spec.loader.exec_module(module)
-    return module
 
 
 class GuardedReward:
@@ -142,7 +91,7 @@ class GuardedReward:
             return self._failed(problem, f"ran longer than reward.timeout={self.timeout:g} s",
                                 timeout=True)
         except Exception as e:  # noqa: BLE001 -- whatever the user's code raises, the run goes on
-            return self._failed(problem, _describe(e))
+            return self._failed(problem, describe_exception(e))
 
     def _failed(self, problem: Problem, what: str, timeout: bool = False) -> Reward:
         self.errors += 1
@@ -163,17 +112,6 @@ def _as_reward(value: Any) -> Reward:
     if not math.isfinite(total):
         raise ValueError(f"returned {total}, not a finite number")
     return value
-
-
-def _describe(e: BaseException) -> str:
-    """`ZeroDivisionError: division by zero (at my_rewards.py:12)`: the innermost frame."""
-    text = f"{type(e).__name__}: {e}"
-    if isinstance(e, SyntaxError) and e.filename:
-        return f"{text} (at {e.filename}:{e.lineno})"
-    frames = traceback.extract_tb(e.__traceback__)
-    if frames:
-        text += f" (at {frames[-1].filename}:{frames[-1].lineno})"
-    return text
 
 
 def call_with_timeout(fn: Callable[..., Any], args: tuple, timeout: float) -> Any:

@@ -18,7 +18,7 @@ import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from tether.checkpoint import RunState, check_fresh_run_dir, load_checkpoint
-from tether.config import Config, dump_config
+from tether.config import Config, dump_config, resolve_logprobs_topk
 from tether.evaluate import greedy_accuracy, heldout_accuracy
 from tether.guards import check_prompts
 from tether.logger import RunLogger, open_logger
@@ -27,7 +27,7 @@ from tether.models.tokenizer import encode_exact
 from tether.rewards import build_reward_fn
 from tether.rollout.hf import HFGenerator
 from tether.rollout.types import Generator, SamplingParams
-from tether.tasks import build_task
+from tether.tasks import task_from_config
 from tether.tasks.base import Task
 from tether.trainer import Trainer
 
@@ -97,18 +97,12 @@ class Run:
 
 
 def build_run(cfg: Config, resume: bool = False) -> Run:
-    torch.manual_seed(cfg.run.seed)
-    if cfg.run.threads:
-        torch.set_num_threads(cfg.run.threads)
     r = cfg.rollout
-    task = build_task(cfg.task.name, **cfg.task.model_dump(exclude={"name"}))
-    reward_fn = build_reward_fn(cfg.reward.fn, cfg.reward.timeout, task)
+    task, reward_fn = build_task_and_reward(cfg)
     run_dir = make_run_dir(cfg, resume)
-    model_path = resolve_model_path(cfg)
-    model, tokenizer = load_model(model_path)
+    model_path, model, tokenizer, sampling = load_policy(cfg)
     check_prompts(task, tokenizer, getattr(model.config, "max_position_embeddings", None),
                   r.max_new_tokens, cfg.train.steps * r.prompts_per_step)
-    sampling = sampling_params(cfg)
     trainer = Trainer(model, cfg.train, sampling)
     probe = [encode_exact(tokenizer, p.prompt)
              for p in task.eval_problems()[:cfg.diagnostics.monitor_prompts]]
@@ -116,11 +110,28 @@ def build_run(cfg: Config, resume: bool = False) -> Run:
                probe)
 
 
-def sampling_params(cfg: Config) -> SamplingParams:
+def build_task_and_reward(cfg: Config) -> tuple[Task, Any]:
+    """Seed torch, then the task and the reward function: the input, read before any compute."""
+    torch.manual_seed(cfg.run.seed)
+    if cfg.run.threads:
+        torch.set_num_threads(cfg.run.threads)
+    task = task_from_config(cfg.task)
+    return task, build_reward_fn(cfg.reward.fn, cfg.reward.timeout, task)
+
+
+def load_policy(cfg: Config) -> tuple[Path, PreTrainedModel, PreTrainedTokenizerBase, SamplingParams]:
+    """The model directory, the trainer's fp32 model, its tokenizer, and how to sample from it."""
+    model_path = resolve_model_path(cfg)
+    model, tokenizer = load_model(model_path)
+    return model_path, model, tokenizer, sampling_params(cfg, model.config.vocab_size)
+
+
+def sampling_params(cfg: Config, vocab_size: int) -> SamplingParams:
+    """How the generator samples; `rollout.logprobs_topk` resolved for a vocabulary of `vocab_size`."""
     r = cfg.rollout
     return SamplingParams(n=r.group_size, temperature=r.temperature, top_k=r.top_k,
                           top_p=r.top_p, max_new_tokens=r.max_new_tokens,
-                          logprobs_topk=r.logprobs_topk)
+                          logprobs_topk=resolve_logprobs_topk(cfg, vocab_size))
 
 
 def resolve_model_path(cfg: Config) -> Path:
@@ -139,7 +150,7 @@ def build_generator(cfg: Config, model: PreTrainedModel, model_path: Path,
         from tether.rollout.vllm_engine import VLLMGenerator
 
         generator = VLLMGenerator(model_path, r.precision, eos_token_id=tokenizer.eos_token_id,
-                                  max_logprobs=max(20, r.logprobs_topk))
+                                  max_logprobs=max(20, resolve_logprobs_topk(cfg, model.config.vocab_size)))
         generator.load_weights(model.state_dict(), version=0)
         return generator
     return HFGenerator(model, tokenizer.eos_token_id, tokenizer.pad_token_id, r.precision,

@@ -10,6 +10,7 @@ what to learn from it is here.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -21,7 +22,10 @@ from tether.config import DiagnosticsConfig
 from tether.diagnostics import decompose, is_moe, mismatch_metrics, routing_disagreement
 from tether.monitor import current_model_monitor
 from tether.rollout.types import Rollout, SamplingParams
+from tether.tasks.base import is_correct
 from tether.trainer import RolloutTensors, Trainer, group_advantages, mean_metrics
+
+log = logging.getLogger("tether.diagnostics")
 
 ModelAt = Callable[[int], nn.Module]  # weight version -> a model holding it
 
@@ -69,6 +73,7 @@ class Diagnostics:
                  probe: list[list[int]], eos_id: int, pad_id: int, micro_batch: int):
         self.cfg, self.model, self.sampling, self.probe = cfg, model, sampling, probe
         self.eos_id, self.pad_id, self.micro_batch = eos_id, pad_id, micro_batch
+        self._off: set[str] = set()  # settings already reported as off (engine without weights)
 
     def __call__(self, step: int, seed: int, batch: RolloutTensors, logp_old: torch.Tensor,
                  logp: torch.Tensor | None, trainer_at: ModelAt,
@@ -77,15 +82,30 @@ class Diagnostics:
         d = self.cfg
         out = mismatch_metrics(decompose(batch.logp_rollout, logp_old, logp, batch.response_mask))
         version = int(batch.versions[0])
-        if d.routing and is_moe(self.model) and (gen := generator_at(version)) is not None:
+        if d.routing and is_moe(self.model) and \
+                (gen := self._generator(generator_at, version, "diagnostics.routing")) is not None:
             out |= routing_disagreement(trainer_at(version), gen, batch, self.micro_batch)
-        if d.monitor_every and (step + 1) % d.monitor_every == 0 and \
-                (gen := generator_at(generator_version)) is not None:
+        if d.monitor_every and (step + 1) % d.monitor_every == 0 and (gen := self._generator(
+                generator_at, generator_version, "diagnostics.monitor_every")) is not None:
             out |= current_model_monitor(
                 self.model, gen, self.probe,
                 replace(self.sampling, n=d.monitor_samples, logprobs_topk=0),
                 seed + 500_009, self.eos_id, self.pad_id, d.rare_prob)
         return out
+
+
+    def _generator(self, generator_at: Callable[[int], nn.Module | None], version: int,
+                   setting: str) -> nn.Module | None:
+        """The generator's model at `version`, or None; says once per setting why it is off."""
+        gen = generator_at(version)
+        if gen is None and setting not in self._off:
+            self._off.add(setting)
+            log.warning("tether: %s is off for this run: it needs the generator's weights in this "
+                        "process, and this engine (vllm) keeps them inside itself; set %s to "
+                        "silence this", setting,
+                        "diagnostics.routing=false" if setting.endswith("routing")
+                        else "diagnostics.monitor_every=0")
+        return gen
 
 
 def train_step(trainer: Trainer, batch: RolloutTensors, rollouts: list[Rollout],
@@ -105,7 +125,7 @@ def batch_metrics(batch: RolloutTensors, rollouts: list[Rollout]) -> dict[str, f
     n = len(rollouts)
     return {
         "reward/mean": batch.rewards.mean().item(),
-        "reward/correct": sum(ro.reward_parts.get("correct", 0.0) for ro in rollouts) / n,
+        "reward/correct": sum(is_correct(ro.reward_parts, ro.reward) for ro in rollouts) / n,
         "reward/errors": sum(ro.reward_parts.get("error", 0.0) for ro in rollouts),
         "response/length_mean": batch.response_mask.sum(1).mean().item(),
         "response/truncated_frac": sum(ro.finish_reason == "length" for ro in rollouts) / n,

@@ -8,7 +8,7 @@ from tether.tasks import (
     Problem,
     Reward,
     Task,
-    evaluate,
+    evaluate_expr,
     reachable,
     solve,
 )
@@ -129,11 +129,11 @@ def _parenthesis_pairs(text):
 
 def test_solutions_have_no_removable_parentheses():
     for problem in TASK.eval_problems():
-        value = evaluate(problem.solution).value
+        value = evaluate_expr(problem.solution).value
         for left, right in _parenthesis_pairs(problem.solution):
             text = problem.solution
             without = text[:left] + text[left + 1 : right] + text[right + 1 :]
-            assert evaluate(without).value != value, problem.solution
+            assert evaluate_expr(without).value != value, problem.solution
 
 
 def test_same_seed_same_problems_and_order_free():

@@ -5,7 +5,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tether.tasks.expr import MAX_DEPTH_LIMIT, ExprFailure, ExprLimits, ExprValue, evaluate
+from tether.tasks.expr import MAX_DEPTH_LIMIT, ExprFailure, ExprLimits, ExprValue, evaluate_expr
 
 
 @pytest.mark.parametrize(
@@ -25,7 +25,7 @@ from tether.tasks.expr import MAX_DEPTH_LIMIT, ExprFailure, ExprLimits, ExprValu
     ],
 )
 def test_evaluates_exactly(text, value, literals):
-    assert evaluate(text) == ExprValue(value, literals)
+    assert evaluate_expr(text) == ExprValue(value, literals)
 
 
 @pytest.mark.parametrize(
@@ -50,36 +50,36 @@ def test_evaluates_exactly(text, value, literals):
     ],
 )
 def test_rejects_with_reason_and_position(text, reason, position):
-    assert evaluate(text) == ExprFailure(reason, position)
+    assert evaluate_expr(text) == ExprFailure(reason, position)
 
 
 def test_length_is_checked_before_parsing():
-    assert evaluate("1" * 65) == ExprFailure("longer than 64 characters", 64)
-    assert evaluate("(" * 10**6) == ExprFailure("longer than 64 characters", 64)
+    assert evaluate_expr("1" * 65) == ExprFailure("longer than 64 characters", 64)
+    assert evaluate_expr("(" * 10**6) == ExprFailure("longer than 64 characters", 64)
 
 
 def test_nesting_depth_limit():
     limits = ExprLimits(max_depth=3)
-    assert evaluate("(((1)))", limits) == ExprValue(Fraction(1), (1,))
-    assert evaluate("((((1))))", limits) == ExprFailure("parentheses nested deeper than 3", 3)
+    assert evaluate_expr("(((1)))", limits) == ExprValue(Fraction(1), (1,))
+    assert evaluate_expr("((((1))))", limits) == ExprFailure("parentheses nested deeper than 3", 3)
 
 
 def test_deepest_allowed_nesting_does_not_hit_the_recursion_limit():
     depth = MAX_DEPTH_LIMIT
     limits = ExprLimits(max_length=2 * depth + 1, max_depth=depth)
-    assert evaluate("(" * depth + "1" + ")" * depth, limits) == ExprValue(Fraction(1), (1,))
+    assert evaluate_expr("(" * depth + "1" + ")" * depth, limits) == ExprValue(Fraction(1), (1,))
     with pytest.raises(ValueError, match="max_depth"):
         ExprLimits(max_depth=MAX_DEPTH_LIMIT + 1)
 
 
 def test_magnitude_limit_applies_to_numerator_and_denominator():
     limits = ExprLimits(max_magnitude=100)
-    assert evaluate("10*10", limits) == ExprValue(Fraction(100), (10, 10))
-    assert evaluate("10*11", limits) == ExprFailure("a value exceeds the magnitude limit 100", 0)
-    assert evaluate("1/101", limits) == ExprFailure("a value exceeds the magnitude limit 100", 2)
-    assert evaluate("1/10/11", limits) == ExprFailure("a value exceeds the magnitude limit 100", 0)
+    assert evaluate_expr("10*10", limits) == ExprValue(Fraction(100), (10, 10))
+    assert evaluate_expr("10*11", limits) == ExprFailure("a value exceeds the magnitude limit 100", 0)
+    assert evaluate_expr("1/101", limits) == ExprFailure("a value exceeds the magnitude limit 100", 2)
+    assert evaluate_expr("1/10/11", limits) == ExprFailure("a value exceeds the magnitude limit 100", 0)
     # 9^12 > 10^12 (the default): a long product chain stops at the limit
-    assert evaluate("*".join(["9"] * 13)) == ExprFailure(
+    assert evaluate_expr("*".join(["9"] * 13)) == ExprFailure(
         "a value exceeds the magnitude limit 1000000000000", 0
     )
 
@@ -119,7 +119,7 @@ _WIDE = ExprLimits(
 @given(_trees)
 def test_fully_parenthesised_trees_evaluate_to_their_value(tree):
     value, text = tree
-    result = evaluate(text, _WIDE)
+    result = evaluate_expr(text, _WIDE)
     if value is None:
         assert result == ExprFailure("division by zero", result.position)
     else:

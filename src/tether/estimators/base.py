@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-import torch
+from tether.lazy import torch
 
 # Log-ratios are clamped to +-SAFETY_BOUND before exp(): e^20 ~ 4.9e8 keeps squares and
 # sums finite in fp32 while being far beyond any cap an estimator applies.

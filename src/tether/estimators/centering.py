@@ -29,7 +29,7 @@ Shapes: A, mask (B, T); top-K tensors (B, T, K).
 
 from __future__ import annotations
 
-import torch
+from tether.lazy import torch
 
 # Tail mass of pi_old below this counts as an empty tail (rho_tail = 0).
 TAIL_MASS_EPS = 1e-6

@@ -16,10 +16,9 @@ a far smaller second moment on confident ones. Shapes (B, T).
 
 from __future__ import annotations
 
-import torch
-
 from tether.estimators.base import CorrectionTerms, clamp_log_ratio
 from tether.estimators.registry import CORRECTIONS
+from tether.lazy import torch
 
 
 def cis_cap(logp_old: torch.Tensor, *, lam: float = 2.3, kappa: float = 5e-3) -> torch.Tensor:

@@ -19,10 +19,9 @@ Aggregation: token-mean, eq. 4's 1 / sum_i |o_i|. Shapes (B, T).
 
 from __future__ import annotations
 
-import torch
-
 from tether.estimators.base import ObjectiveTerms, clamp_log_ratio
 from tether.estimators.registry import OBJECTIVES
+from tether.lazy import torch
 
 
 @OBJECTIVES.register(

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 
-import torch
+from tether.lazy import torch
 
 
 def ess(weights: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

@@ -12,8 +12,6 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any
 
-import torch
-
 from tether.estimators.base import LossOutput, TokenBatch, aggregate
 from tether.estimators.centering import center_term
 from tether.estimators.metrics import (
@@ -24,6 +22,7 @@ from tether.estimators.metrics import (
 )
 from tether.estimators.presets import PRESETS
 from tether.estimators.registry import CORRECTIONS, OBJECTIVES, Entry, check_params
+from tether.lazy import torch
 
 
 @dataclass(frozen=True)

@@ -18,10 +18,9 @@ by its length (TRL and verl's GSPO aggregate per sequence too).
 
 from __future__ import annotations
 
-import torch
-
 from tether.estimators.base import SAFETY_BOUND, ObjectiveTerms
 from tether.estimators.registry import OBJECTIVES
+from tether.lazy import torch
 
 
 @OBJECTIVES.register(

@@ -19,10 +19,9 @@ from __future__ import annotations
 
 import math
 
-import torch
-
 from tether.estimators.base import CorrectionTerms, clamp_log_ratio
 from tether.estimators.registry import CORRECTIONS
+from tether.lazy import torch
 
 
 def _band(log_value: torch.Tensor, lo: float, hi: float) -> torch.Tensor:

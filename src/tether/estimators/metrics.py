@@ -18,10 +18,9 @@ Everything stays a tensor until `to_floats`, which syncs once.
 
 from __future__ import annotations
 
-import torch
-
 from tether.estimators.base import CorrectionTerms, ObjectiveTerms, clamp_log_ratio
 from tether.estimators.ess import ess_from_log
+from tether.lazy import torch
 
 _CAUSES = (("numerical", "is_weight"), ("staleness", "ratio"), ("total", "is_weight"))
 

@@ -10,10 +10,9 @@ no importance weight, hence the lowest variance of all. Shapes (B, T) in, (B, T)
 
 from __future__ import annotations
 
-import torch
-
 from tether.estimators.base import ObjectiveTerms
 from tether.estimators.registry import OBJECTIVES
+from tether.lazy import torch
 
 
 def pg_head_weight(topk_logp: torch.Tensor, topk_logp_old: torch.Tensor) -> torch.Tensor:

@@ -20,10 +20,9 @@ truncates them to the cap instead, as here. Shapes (B, T).
 
 from __future__ import annotations
 
-import torch
-
 from tether.estimators.base import ObjectiveTerms, clamp_log_ratio
 from tether.estimators.registry import OBJECTIVES
+from tether.lazy import torch
 
 
 def clipped_surrogate(

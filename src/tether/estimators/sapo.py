@@ -19,10 +19,9 @@ and verl aggregate SAPO per sequence too).
 
 from __future__ import annotations
 
-import torch
-
 from tether.estimators.base import ObjectiveTerms, clamp_log_ratio
 from tether.estimators.registry import OBJECTIVES
+from tether.lazy import torch
 
 
 @OBJECTIVES.register(

@@ -13,10 +13,9 @@ variance. Shapes (B, T).
 
 from __future__ import annotations
 
-import torch
-
 from tether.estimators.base import ObjectiveTerms, clamp_log_ratio
 from tether.estimators.registry import OBJECTIVES
+from tether.lazy import torch
 
 
 def stale_is_head_weight(

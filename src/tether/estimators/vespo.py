@@ -20,10 +20,9 @@ E-VESPO experiment. Default "none": the true product. Shapes (B, T); W is (B,).
 
 from __future__ import annotations
 
-import torch
-
 from tether.estimators.base import SAFETY_BOUND, ObjectiveTerms, clamp_log_ratio
 from tether.estimators.registry import OBJECTIVES
+from tether.lazy import torch
 
 
 def sequence_log_weight(

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from tether.errors import InputError
 from tether.experiments import analysis, cis, dlc, vespo
 from tether.experiments.runner import Cell, Experiment, run_experiment
 
@@ -20,7 +21,7 @@ EXPERIMENTS = {"dlc": dlc, "cis": cis, "vespo": vespo}
 
 def get(name: str):
     if name not in EXPERIMENTS:
-        raise ValueError(f"unknown experiment {name!r}; valid: {', '.join(EXPERIMENTS)}")
+        raise InputError(f"unknown experiment {name!r}; valid: {', '.join(EXPERIMENTS)}")
     return EXPERIMENTS[name]
 
 
@@ -45,7 +46,7 @@ def run(name: str, out: str | Path | None = None, quick: bool = False, seeds: in
         keep = {tuple(g.split(":", 1)) for g in only} | {tuple(exp.reference)}
         unknown = keep - set(exp.groups())
         if unknown:
-            raise ValueError(f"--only: unknown group(s) {sorted(':'.join(g) for g in unknown)}; "
+            raise InputError(f"--only: unknown group(s) {sorted(':'.join(g) for g in unknown)}; "
                              f"valid: {', '.join(':'.join(g) for g in exp.groups())}")
         exp.cells = [c for c in exp.cells if (c.scenario, c.method) in keep]
     out = Path(out or f"runs/experiments/{name}{'-quick' if quick else ''}")

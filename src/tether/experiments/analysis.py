@@ -137,12 +137,12 @@ def make_probe(out: Path, model_path: str, max_new_tokens: int, seed: int = 1234
     from tether.models.tokenizer import encode_exact
     from tether.rollout.hf import HFGenerator
     from tether.rollout.types import SamplingParams
-    from tether.tasks import build_task
+    from tether.tasks import task_from_config
     from tether.trainer import collate
 
     meta = load_meta(out)
     cfg = load_config(None, meta["base"])
-    task = build_task(cfg.task.name, **cfg.task.model_dump(exclude={"name"}))
+    task = task_from_config(cfg.task)
     model, tok = load_model(model_path)
     problems = task.eval_problems()[:PROBE_PROMPTS]
     gen = HFGenerator(model, tok.eos_token_id, tok.pad_token_id, "fp32")

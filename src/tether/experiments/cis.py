@@ -92,12 +92,12 @@ def truncation_bias(out: Path, prompts: int = 64, samples: int = 4, seed: int = 
     from tether.models.tokenizer import encode_exact
     from tether.rollout.hf import HFGenerator
     from tether.rollout.types import SamplingParams
-    from tether.tasks import build_task
+    from tether.tasks import task_from_config
     from tether.trainer import collate, token_logprobs
 
     meta = json.loads((Path(out) / "experiment.json").read_text())
     cfg = load_config(None, meta["base"] + SCENARIOS["bf16_route"])
-    task = build_task(cfg.task.name, **cfg.task.model_dump(exclude={"name"}))
+    task = task_from_config(cfg.task)
     model, tok = load_model(meta["model_path"])
     model.eval()
     problems = [task.train_problem(10_000_000 + i) for i in range(prompts)]

@@ -22,6 +22,7 @@ import traceback
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from tether.errors import InputError
 from tether.experiments.analysis import quiet_transformers as _quiet_transformers
 
 
@@ -164,7 +165,7 @@ def run_experiment(exp: Experiment, out: str | Path, workers: int = 2,
     if previous.is_file():  # finished cells are only reusable under the same settings
         old = json.loads(previous.read_text())
         if (old["name"], old["base"]) != (exp.name, exp.base):
-            raise ValueError(f"{out} holds experiment {old['name']!r} with other settings "
+            raise InputError(f"{out} holds experiment {old['name']!r} with other settings "
                              f"({' '.join(old['base'])}); choose another --out")
         # A slice (--only, --seeds) run into the same directory adds to the cells reported.
         known = {c.name for c in exp.cells}

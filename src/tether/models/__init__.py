@@ -17,6 +17,8 @@ from transformers import (
     PreTrainedTokenizerBase,
 )
 
+from tether.defaults import MODEL_CACHE_DIR, WARMSTART_STEPS
+from tether.errors import InputError
 from tether.models.tiny import build_tiny_model
 from tether.models.tokenizer import build_char_tokenizer
 from tether.models.warmstart import warm_start
@@ -40,7 +42,8 @@ def default_model_dir(cache_dir: str, moe: bool, seed: int, warmstart_steps: int
 
 
 def ensure_default_model(
-    cache_dir: str, moe: bool = False, seed: int = 0, warmstart_steps: int = 200,
+    cache_dir: str = MODEL_CACHE_DIR, moe: bool = False, seed: int = 0,
+    warmstart_steps: int = WARMSTART_STEPS,
     task_kwargs: dict | None = None, verbose: bool = True,
 ) -> Path:
     """Build and warm-start tether's tiny model unless cached; return its HF directory.
@@ -81,14 +84,14 @@ def load_model(path: str | Path) -> tuple[PreTrainedModel, PreTrainedTokenizerBa
     p = Path(path).expanduser()
     where = f"model.path={p}"
     if not (p / "config.json").is_file():
-        raise ValueError(f"{where}: not a Hugging Face model directory (no config.json)")
+        raise InputError(f"{where}: not a Hugging Face model directory (no config.json)")
     try:
         config = AutoConfig.from_pretrained(p, local_files_only=True)
     except (OSError, ValueError) as e:  # not JSON, or a model type this transformers lacks
         first = str(e).strip().split("\n")[0]
-        raise ValueError(f"{where}: its config.json cannot be read: {first}") from None
+        raise InputError(f"{where}: its config.json cannot be read: {first}") from None
     if not any((p / f).is_file() for f in _TOKENIZER_FILES):
-        raise ValueError(f"{where}: no tokenizer files there (one of {', '.join(_TOKENIZER_FILES)})")
+        raise InputError(f"{where}: no tokenizer files there (one of {', '.join(_TOKENIZER_FILES)})")
     try:
         model = AutoModelForCausalLM.from_pretrained(
             p, local_files_only=True, dtype="float32", attn_implementation="sdpa"
@@ -96,19 +99,23 @@ def load_model(path: str | Path) -> tuple[PreTrainedModel, PreTrainedTokenizerBa
     except ValueError as e:
         if "Unrecognized configuration class" not in str(e):
             raise
-        raise ValueError(
+        raise InputError(
             f"{where}: {type(config).__name__} (model_type {config.model_type!r}) is not a "
             f"causal language model: AutoModelForCausalLM cannot load it"
         ) from None
     except OSError as e:  # no weights file, or an unreadable one
-        raise ValueError(f"{where}: the weights cannot be loaded: {str(e).strip().splitlines()[0]}") from None
-    tokenizer = AutoTokenizer.from_pretrained(p, local_files_only=True)
+        raise InputError(f"{where}: the weights cannot be loaded: {str(e).strip().splitlines()[0]}") from None
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(p, local_files_only=True)
+    except (OSError, ValueError) as e:  # damaged or foreign tokenizer files
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise InputError(f"{where}: the tokenizer cannot be loaded: {first}") from None
     if tokenizer.eos_token_id is None:
-        raise ValueError(f"{where}: the tokenizer has no eos token, so no response could end")
+        raise InputError(f"{where}: the tokenizer has no eos token, so no response could end")
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     if len(tokenizer) > model.get_input_embeddings().num_embeddings:
-        raise ValueError(
+        raise InputError(
             f"model.path={p}: tokenizer has {len(tokenizer)} tokens but the model's embedding "
             f"has {model.get_input_embeddings().num_embeddings}: they do not belong together"
         )

@@ -10,6 +10,8 @@ from __future__ import annotations
 from tokenizers import Tokenizer, decoders, models
 from transformers import PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
+from tether.errors import InputError
+
 PAD, EOS = "<pad>", "<eos>"
 
 
@@ -32,7 +34,7 @@ def encode_exact(tokenizer: PreTrainedTokenizerBase, text: str, what: str = "pro
     ids = tokenizer(text, add_special_tokens=False)["input_ids"]
     back = tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
     if back != text:
-        raise ValueError(
+        raise InputError(
             f"{what} {text[:80]!r} does not round-trip through the tokenizer "
             f"(decoded as {back[:80]!r}): it holds characters outside the vocabulary"
         )

@@ -15,6 +15,7 @@ from collections.abc import Callable
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
+from tether.errors import InputError
 from tether.rollout.numerics import add_router_noise, apply_numerics
 from tether.rollout.types import Rollout, SamplingParams
 
@@ -57,7 +58,7 @@ class HFGenerator:
         # resumed run samples the same routes.
         self.noise = torch.Generator()
         if router_noise > 0 and add_router_noise(self.model, router_noise, self.noise) == 0:
-            raise ValueError("rollout.router_noise needs a MoE model (model.moe=true); "
+            raise InputError("rollout.router_noise needs a MoE model (model.moe=true); "
                              "this model has no router")
 
     def load_weights(self, state_dict: dict[str, torch.Tensor], version: int) -> None:

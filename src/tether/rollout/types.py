@@ -13,16 +13,18 @@ from typing import Protocol
 
 import torch
 
+from tether.defaults import GROUP_SIZE, MAX_NEW_TOKENS, TEMPERATURE
+
 
 @dataclass(frozen=True)
 class SamplingParams:
     """How the generator samples. `n` responses are drawn per prompt (the GRPO group)."""
 
-    n: int = 8
-    temperature: float = 1.0
+    n: int = GROUP_SIZE
+    temperature: float = TEMPERATURE
     top_k: int = 0  # 0: no top-k truncation
     top_p: float = 1.0  # 1.0: no nucleus truncation
-    max_new_tokens: int = 32
+    max_new_tokens: int = MAX_NEW_TOKENS
     logprobs_topk: int = 0  # K > 0: also record the generator's top-K ids and log-probs
 
 

@@ -36,6 +36,7 @@ from typing import Any
 
 import torch
 
+from tether.errors import InputError, MissingPackageError
 from tether.rollout.types import Rollout, SamplingParams
 
 # tether precision name -> (vLLM dtype, vLLM quantization)
@@ -108,18 +109,18 @@ class VLLMGenerator:
         if precision not in PRECISIONS:
             raise ValueError(f"precision={precision!r} is not one of {sorted(PRECISIONS)}")
         if not vllm_available():
-            raise ImportError(INSTALL_HINT)
+            raise MissingPackageError(INSTALL_HINT)
         model_path = Path(model_path)
         config_file = model_path / "config.json"
         if not config_file.is_file():
-            raise FileNotFoundError(f"{config_file} not found: model_path must be a HF model dir")
+            raise InputError(f"{config_file} not found: model_path must be a HF model dir")
         config = json.loads(config_file.read_text())
         self.vocab_size: int = config["vocab_size"]
         if eos_token_id is None:
             eos = config.get("eos_token_id")
             eos_token_id = eos[0] if isinstance(eos, list) else eos
         if eos_token_id is None:
-            raise ValueError(f"no eos_token_id in {config_file}; pass eos_token_id=")
+            raise InputError(f"no eos_token_id in {config_file}; pass eos_token_id=")
         self.eos_token_id: int = int(eos_token_id)
         if max_model_len is None:
             max_model_len = int(config["max_position_embeddings"])

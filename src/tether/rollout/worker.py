@@ -28,7 +28,7 @@ from tether.models import load_model
 from tether.models.tokenizer import encode_exact
 from tether.rewards import build_reward_fn
 from tether.rollout.types import Generator, Rollout, SamplingParams
-from tether.tasks import build_task
+from tether.tasks import task_from_config
 from tether.tasks.base import Task
 from tether.weights.publisher import WeightSubscriber
 
@@ -81,12 +81,12 @@ def worker_main(index: int, cfg: Config, model_path: str, parent_pid: int, tasks
     try:
         from tether.run import build_generator, sampling_params
 
-        task = build_task(cfg.task.name, **cfg.task.model_dump(exclude={"name"}))
+        task = task_from_config(cfg.task)
         reward_fn = build_reward_fn(cfg.reward.fn, cfg.reward.timeout, task)
         model, tokenizer = load_model(model_path)
         generator = build_generator(cfg, model, Path(model_path), tokenizer)
         subscriber = WeightSubscriber(weights, generator)
-        sampling = sampling_params(cfg)
+        sampling = sampling_params(cfg, model.config.vocab_size)
         while True:
             t0 = time.perf_counter()
             item = _next_item(tasks, parent_pid)

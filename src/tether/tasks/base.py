@@ -51,3 +51,9 @@ class Task(Protocol):
     def reward(self, problem: Problem, response: str) -> Reward:
         """Score one decoded response (without eos); never raises on any string."""
         ...
+
+
+def is_correct(parts: dict[str, float], total: float) -> bool:
+    """Held-out accuracy's test of one response: its reward's `correct` part when the task
+    reports one (>= 1), else the full reward (total >= 1)."""
+    return parts.get("correct", total) >= 1.0

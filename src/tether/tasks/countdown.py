@@ -30,8 +30,9 @@ from __future__ import annotations
 import random
 from collections import Counter
 
+from tether.errors import InputError
 from tether.tasks.base import Problem, Reward
-from tether.tasks.expr import ExprFailure, ExprLimits, evaluate
+from tether.tasks.expr import ExprFailure, ExprLimits, evaluate_expr
 
 ALPHABET = "0123456789+-*/()=,:"
 """Every character a Countdown prompt or solution may contain (plus the tokenizer's pad, eos)."""
@@ -159,27 +160,27 @@ class CountdownTask:
                 it, many targets are one given number or two, and RL learns "answer short".
         """
         if not isinstance(num_numbers, int) or not 2 <= num_numbers <= MAX_NUMBERS:
-            raise ValueError(
+            raise InputError(
                 f"num_numbers must be an int in [2, {MAX_NUMBERS}], got {num_numbers!r}"
             )
         if num_min < 0:
-            raise ValueError(
+            raise InputError(
                 f"num_min must be >= 0 (the parser has no negative literals), got {num_min}"
             )
         if num_max < num_min:
-            raise ValueError(f"num_max ({num_max}) must be >= num_min ({num_min})")
+            raise InputError(f"num_max ({num_max}) must be >= num_min ({num_min})")
         if target_max < target_min:
-            raise ValueError(f"target_max ({target_max}) must be >= target_min ({target_min})")
+            raise InputError(f"target_max ({target_max}) must be >= target_min ({target_min})")
         if eval_size < 0:
-            raise ValueError(f"eval_size must be >= 0, got {eval_size}")
+            raise InputError(f"eval_size must be >= 0, got {eval_size}")
         if not 0.0 <= format_weight < 1.0:
-            raise ValueError(
+            raise InputError(
                 f"format_weight must be in [0, 1) so a correct answer always scores more, "
                 f"got {format_weight}"
             )
         largest = _largest_reachable(num_numbers, num_max)
         if target_min > largest or target_max < -largest:
-            raise ValueError(
+            raise InputError(
                 f"target range [{target_min}, {target_max}] is impossible: {num_numbers} numbers "
                 f"in [{num_min}, {num_max}] reach at most |{largest}|"
             )
@@ -188,7 +189,7 @@ class CountdownTask:
         digits = len(str(num_max))
         longest_solution = num_numbers * digits + 3 * (num_numbers - 1)
         if max_response_chars < longest_solution:
-            raise ValueError(
+            raise InputError(
                 f"max_response_chars ({max_response_chars}) is below the longest possible "
                 f"solution ({longest_solution} characters); raise it"
             )
@@ -201,7 +202,7 @@ class CountdownTask:
         self.format_weight = format_weight
         self.use_all = use_all
         if train_size < 0:
-            raise ValueError(f"train_size must be >= 0 (0: endless stream), got {train_size}")
+            raise InputError(f"train_size must be >= 0 (0: endless stream), got {train_size}")
         self.train_size = train_size
         # No + - * value exceeds (num_max + 1)^n; squaring it leaves room for answers
         # through "/", whose numerators and denominators multiply.
@@ -229,7 +230,7 @@ class CountdownTask:
                     solution=values[target],
                     meta={"numbers": numbers, "target": target},
                 )
-        raise ValueError(
+        raise InputError(
             f"no draw of {self.num_numbers} numbers in [{self.num_min}, {self.num_max}] reached a "
             f"target in [target_min, target_max] = [{self.target_min}, {self.target_max}] "
             f"in {MAX_DRAWS} tries; widen the ranges"
@@ -243,7 +244,7 @@ class CountdownTask:
         while len(problems) < eval_size:
             draws += 1
             if draws > 20 * eval_size + MAX_DRAWS:
-                raise ValueError(
+                raise InputError(
                     f"eval_size={eval_size}: only {len(problems)} distinct problems found in "
                     f"{draws - 1} draws; lower eval_size or widen the number/target ranges"
                 )
@@ -264,7 +265,7 @@ class CountdownTask:
             problem = self._draw(rng, f"countdown-train-{index}")
             if _key(problem) not in self._eval_keys:
                 return problem
-        raise ValueError(
+        raise InputError(
             f"training draws keep landing in the held-out set ({len(self._eval_keys)} problems); "
             f"lower eval_size or widen the number/target ranges"
         )
@@ -276,7 +277,7 @@ class CountdownTask:
     def reward(self, problem: Problem, response: str) -> Reward:
         """1 for a correct expression, `format_weight` for a well-formed miss, else 0."""
         numbers, target = problem.meta["numbers"], problem.meta["target"]
-        parsed = evaluate(response.strip(), self.limits)
+        parsed = evaluate_expr(response.strip(), self.limits)
         well_formed = not isinstance(parsed, ExprFailure) and uses_given_numbers(
             parsed.literals, numbers
         )

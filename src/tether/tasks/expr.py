@@ -76,7 +76,7 @@ class ExprFailure:
 
 
 class _Fail(Exception):
-    """Internal: unwinds the parser to evaluate(), which turns it into an ExprFailure."""
+    """Internal: unwinds the parser to evaluate_expr(), which turns it into an ExprFailure."""
 
     def __init__(self, reason: str, position: int) -> None:
         super().__init__(reason)
@@ -84,7 +84,7 @@ class _Fail(Exception):
         self.position = position
 
 
-def evaluate(text: str, limits: ExprLimits = ExprLimits()) -> ExprValue | ExprFailure:
+def evaluate_expr(text: str, limits: ExprLimits = ExprLimits()) -> ExprValue | ExprFailure:
     """Parse and evaluate `text` exactly; return its value and literals, or why it failed.
 
     Never raises for any str input: malformed syntax, division by zero and every

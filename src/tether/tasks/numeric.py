@@ -25,6 +25,7 @@ from fractions import Fraction
 from pathlib import Path
 from typing import Any
 
+from tether.errors import InputError, MissingPackageError
 from tether.tasks.base import Problem, Reward
 
 MAX_NUMBER_CHARS = 64
@@ -84,7 +85,7 @@ class NumericAnswerTask:
         rng = random.Random(f"numeric/{seed}")
         if eval_path is None:
             if not 0.0 < eval_fraction < 1.0:
-                raise ValueError(f"eval_fraction must be in (0, 1), got {eval_fraction}")
+                raise InputError(f"eval_fraction must be in (0, 1), got {eval_fraction}")
             rng.shuffle(rows)
             n_eval = max(1, round(eval_fraction * len(rows)))
             eval_rows, train_rows = rows[:n_eval], rows[n_eval:]
@@ -95,7 +96,7 @@ class NumericAnswerTask:
         eval_prompts = {row.prompt for row in eval_rows}
         train_rows = [row for row in train_rows if row.prompt not in eval_prompts]
         if not train_rows:
-            raise ValueError(
+            raise InputError(
                 f"{path}: no training rows left after holding out {len(eval_rows)} "
                 f"(eval_fraction={eval_fraction}, eval_path={eval_path}); add rows or hold out fewer"
             )
@@ -141,19 +142,21 @@ class _Row:
 
 def _read_rows(path: Path, prompt_key: str, answer_key: str) -> list[_Row]:
     """All rows of a JSONL or parquet file, each checked; errors name file, line and field."""
+    if path.suffix not in (".jsonl", ".parquet"):
+        raise InputError(f"{path}: unknown file type {path.suffix!r}; use .jsonl or .parquet")
+    if not path.is_file():
+        raise InputError(f"{path}: no such file")
     if path.suffix == ".jsonl":
         records = _jsonl_records(path)
         where = "line"
-    elif path.suffix == ".parquet":
+    else:
         records = enumerate(_parquet_records(path), start=1)
         where = "row"
-    else:
-        raise ValueError(f"{path}: unknown file type {path.suffix!r}; use .jsonl or .parquet")
     rows = [
         _check_row(record, f"{path}:{where} {n}", prompt_key, answer_key) for n, record in records
     ]
     if not rows:
-        raise ValueError(f"{path}: no rows")
+        raise InputError(f"{path}: no rows")
     return rows
 
 
@@ -165,13 +168,13 @@ def _jsonl_records(path: Path) -> list[tuple[int, Any]]:
             try:
                 line = raw.decode("utf-8")
             except UnicodeDecodeError as err:
-                raise ValueError(f"{path}:line {lineno}: not UTF-8 ({err.reason})") from None
+                raise InputError(f"{path}:line {lineno}: not UTF-8 ({err.reason})") from None
             if not line.strip():
                 continue
             try:
                 records.append((lineno, json.loads(line)))
             except ValueError as err:  # JSONDecodeError, or an integer too long to convert
-                raise ValueError(f"{path}:line {lineno}: invalid JSON ({err})") from None
+                raise InputError(f"{path}:line {lineno}: invalid JSON ({err})") from None
     return records
 
 
@@ -179,34 +182,37 @@ def _parquet_records(path: Path) -> list[dict[str, Any]]:
     try:
         from pyarrow import parquet
     except ImportError:
-        raise ImportError(
+        raise MissingPackageError(
             f"reading {path} needs pyarrow, which is not installed: pip install pyarrow"
         ) from None
-    return parquet.read_table(path).to_pylist()
+    try:
+        return parquet.read_table(path).to_pylist()
+    except Exception as e:  # noqa: BLE001 -- pyarrow's errors for a damaged or foreign file
+        raise InputError(f"{path}: not a readable parquet file ({type(e).__name__}: {e})") from None
 
 
 def _check_row(record: Any, where: str, prompt_key: str, answer_key: str) -> _Row:
-    """Turn one parsed record into a _Row, or raise a ValueError saying where and which field."""
+    """Turn one parsed record into a _Row, or raise an InputError saying where and which field."""
     if not isinstance(record, dict):
-        # A malformed row is bad data, reported like every other bad row: ValueError.
-        raise ValueError(f"{where}: expected a JSON object, got {type(record).__name__}")  # noqa: TRY004
+        # A malformed row is bad data, reported like every other bad row: InputError.
+        raise InputError(f"{where}: expected a JSON object, got {type(record).__name__}")
     for key in (prompt_key, answer_key):
         if key not in record:
-            raise ValueError(f"{where}: missing field {key!r} (fields: {sorted(record)})")
+            raise InputError(f"{where}: missing field {key!r} (fields: {sorted(record)})")
     prompt = record[prompt_key]
     if not isinstance(prompt, str) or not prompt:
-        raise ValueError(
+        raise InputError(
             f"{where}: field {prompt_key!r} must be a non-empty string, got {prompt!r:.80}"
         )
     answer = record[answer_key]
     if isinstance(answer, str):
         target = reference_number(answer)
         if target is None:
-            raise ValueError(f"{where}: field {answer_key!r} states no number: {answer[-80:]!r}")
+            raise InputError(f"{where}: field {answer_key!r} states no number: {answer[-80:]!r}")
         return _Row(prompt, answer, target)
     finite_number = isinstance(answer, int) or (isinstance(answer, float) and math.isfinite(answer))
     if isinstance(answer, bool) or not finite_number:
-        raise ValueError(
+        raise InputError(
             f"{where}: field {answer_key!r} must be a string or a finite number, got {answer!r:.80}"
         )
     # Through the shortest decimal text, so the float 0.1 means 1/10, not its binary value.

@@ -8,6 +8,8 @@ how versions reach engines (publisher), and the synchronous loop's use of all th
 - `synchronizer`: the synchronous loop's bookkeeping over the three (lag, ESS trips).
 """
 
+import importlib
+
 from tether.weights.policy import (
     BoundedK,
     EssTrigger,
@@ -16,9 +18,20 @@ from tether.weights.policy import (
     parse_sync_policy,
     resolve_policy_spec,
 )
-from tether.weights.publisher import InProcessPublisher, SharedMemoryPublisher, WeightSubscriber
-from tether.weights.snapshots import SnapshotStore
-from tether.weights.synchronizer import Synchronizer
+
+# The publisher, snapshots and synchronizer need torch; they load on first use, so that
+# checking a config (which parses sync policies) does not import torch.
+_LAZY = {
+    "InProcessPublisher": "publisher", "SharedMemoryPublisher": "publisher",
+    "WeightSubscriber": "publisher", "SnapshotStore": "snapshots", "Synchronizer": "synchronizer",
+}
+
+
+def __getattr__(name: str) -> object:
+    if name not in _LAZY:
+        raise AttributeError(f"module 'tether.weights' has no attribute {name!r}")
+    return getattr(importlib.import_module(f"tether.weights.{_LAZY[name]}"), name)
+
 
 __all__ = [
     "BoundedK", "EssTrigger", "EveryK", "InProcessPublisher",

@@ -19,9 +19,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
-import torch
-
 from tether.estimators.ess import ess_token
+from tether.lazy import torch
 
 ON_TRIP = ("train", "regenerate")
 # Presets whose method includes a sync policy; `sync.policy: auto` picks it.

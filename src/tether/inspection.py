@@ -10,12 +10,15 @@ the trained batches were. The plots show the same per step. Metric names: docs/m
 from __future__ import annotations
 
 import math
+import textwrap
 from pathlib import Path
 from typing import Any
 
 import yaml
 
+from tether.errors import InputError
 from tether.logger import read_jsonl
+from tether.probe import recommend_from_rows
 
 CAUSE_COLORS = {"numerical": "tab:blue", "staleness": "tab:orange", "total": "tab:gray"}
 
@@ -40,7 +43,7 @@ def load_run(run_dir: str | Path) -> tuple[list[dict[str, Any]], dict[str, Any]]
     run_dir = Path(run_dir)
     path = run_dir / "metrics.jsonl"
     if not path.is_file():
-        raise FileNotFoundError(f"{run_dir} is not a tether run directory (no metrics.jsonl)")
+        raise InputError(f"{run_dir} is not a tether run directory (no metrics.jsonl)")
     cfg_path = run_dir / "config.yaml"
     cfg = yaml.safe_load(cfg_path.read_text()) if cfg_path.is_file() else {}
     return read_jsonl(path), cfg or {}
@@ -156,6 +159,16 @@ def summarize(rows: list[dict[str, Any]], cfg: dict[str, Any], tau: float | None
         out.append(f"monitor (pi_theta's own samples scored by the generator), steps {_steps_list(m_steps)}:")
         out.append(f"  k3 KL {_fmt(m_k3[0])} -> {_fmt(m_k3[-1])} (max {_fmt(max(m_k3))}); share on rare "
                    f"tokens {share[0]:.1%} -> {share[-1]:.1%} (max {max(share):.1%})")
+
+    # The correction `tether probe` would recommend, from what the run logged.
+    rec = recommend_from_rows(train_rows)
+    if rec is not None:
+        est = cfg.get("train", {}).get("estimator")
+        pol = cfg.get("sync", {}).get("policy")
+        same = rec.estimator == est and rec.sync_policy == pol
+        out += ["", f"recommendation ({rec.cause}): {rec.overrides}"
+                + (" (what this run used)" if same else f" (this run: train.estimator={est} sync.policy={pol})"),
+                textwrap.fill(rec.why, 92)]
     return "\n".join(out)
 
 

@@ -1,0 +1,351 @@
+"""`tether probe`: measure the generator/trainer disagreement before training; recommend a fix.
+
+With the run's own model, engine, generator numerics and sampling, the probe
+1. samples `batches` rollout batches at equal weights and scores them with the trainer
+   (fp32): the numerical mismatch log rho = log pi_old - log mu (k1, k3, max |log rho|,
+   the share of tokens with rho outside [1/2, 2], the share outside the trainer's
+   truncated support), and eps = logit pi_old - logit mu per confidence bin of mu, beside
+   CIS's Appendix A figures (MAD 0.16-0.24, q95 0.26-0.50, flat across bins);
+2. MoE models, hf engine: the routing disagreement on the same tokens;
+3. staleness, when the config makes any (sync.lag k and train.minibatches M: k + M - 1
+   versions; async: loop.max_staleness): that many optimizer steps at train.lr on fresh
+   batches from the same (unsynced) generator, then the token ESS and k3 of
+   pi_theta / pi_old on the first batches, which were not trained on. The trainer moves;
+   the engine keeps its weights, as a stale generator would.
+4. `recommend`: DLC's guidance (Li, Zhou, Lan; DESIGN.md) as rules on those figures, naming a preset and a sync policy.
+
+Thresholds are constants below; docs/probe.md says where they come from.
+"""
+
+from __future__ import annotations
+
+import copy
+import itertools
+import math
+import textwrap
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from tether.config import Config
+from tether.lazy import torch
+
+# Generator confidence mu(y_t) bins for eps (CIS Appendix A reports per-bin spread).
+CONFIDENCE_EDGES = (0.0, 0.2, 0.5, 0.8, 0.95, 1.0)
+CIS_APPENDIX_A = {"mad": (0.16, 0.24), "q95": (0.26, 0.50)}
+# A cause is "present" above these (per-token k3 KL). fp32 engines sit near 1e-13 and fp16
+# near 1e-6 on the tiny model (docs/mismatch.md); bf16 2e-5 and fp8 4e-4 count.
+NUMERICAL_FLOOR = 1e-5
+STALENESS_FLOOR = 1e-3
+# Staleness at which the re-sync matters: DLC's ESS threshold.
+ESS_TAU = 0.5
+# Heavy tail: a share of tokens whose rho leaves MIS's [1/2, 2] band that far exceeds
+# what a Gaussian eps of the measured spread gives (effectively none below spread 0.2).
+TAIL_BAND = math.log(2.0)
+# MoE: routing is the main numerical source when this share of tokens changes experts in
+# some layer (R3 measured ~10% of router decisions differing between vLLM and Megatron).
+ROUTING_SHARE = 0.05
+TAIL_SHARE = 1e-3
+
+
+@dataclass(frozen=True)
+class EpsilonBin:
+    """eps = logit pi_old - logit mu over the tokens whose generator probability mu is in [lo, hi)."""
+
+    lo: float
+    hi: float
+    tokens: int
+    mad: float  # median |eps - median eps|
+    q05: float
+    q95: float
+
+
+@dataclass(frozen=True)
+class Recommendation:
+    cause: str  # none | numerical | staleness | both
+    estimator: str
+    sync_policy: str
+    why: str
+
+    @property
+    def overrides(self) -> str:
+        return f"train.estimator={self.estimator} sync.policy={self.sync_policy}"
+
+
+@dataclass
+class ProbeResult:
+    settings: dict[str, Any]
+    numerical: dict[str, float]
+    epsilon: list[EpsilonBin]
+    routing: dict[str, float] | None
+    staleness: dict[str, float] | None
+    recommendation: Recommendation
+    notes: list[str] = field(default_factory=list)
+
+    def to_json(self) -> dict[str, Any]:
+        """Plain JSON (an empty confidence bin's NaN statistics become null)."""
+        def clean(v: Any) -> Any:
+            if isinstance(v, dict):
+                return {k: clean(x) for k, x in v.items()}
+            if isinstance(v, list):
+                return [clean(x) for x in v]
+            return None if isinstance(v, float) and not math.isfinite(v) else v
+
+        return clean({**asdict(self), "recommendation": {**asdict(self.recommendation),
+                                                         "overrides": self.recommendation.overrides}})
+
+    def format(self) -> str:
+        s, n = self.settings, self.numerical
+        lines = [
+            f"tether probe: {s['model']}, engine {s['engine']}, generator {s['precision']}"
+            + (f" + router noise {s['router_noise']}" if s["router_noise"] else "")
+            + f"; {s['batches']} batches x {s['batch_size']} responses ({s['tokens']} tokens)",
+            "",
+            "Numerical mismatch at equal weights (pi_old: trainer fp32; mu: generator):",
+            f"  k1 KL {n['k1']:.2e}   k3 KL {n['k3']:.2e}   max |log rho| {n['max_abs_log_rho']:.3f}",
+            (f"  rho outside [1/2, 2]: {n['tail_share']:.2%} of tokens   outside the trainer's "
+            f"top-k/top-p support: {n['outside_support']:.2%}"),
+            ("eps = logit pi_old - logit mu by generator confidence mu (CIS Appendix A: MAD "
+            "0.16-0.24, q95 0.26-0.50, flat across bins):"),
+            "  mu in          tokens      MAD       q05       q95",
+        ]
+        for b in self.epsilon:
+            close = "]" if b.hi >= 1.0 else ")"
+            lines.append(f"  [{b.lo:.2f}, {b.hi:.2f}{close}  {b.tokens:>8}  {b.mad:8.4f}  {b.q05:8.4f}  {b.q95:8.4f}")
+        if self.routing is not None:
+            lines.append(f"MoE routing disagreement: {self.routing['mean']:.2%} of (token, layer) "
+                         f"pairs; {self.routing['any_layer']:.2%} of tokens in at least one layer")
+        if self.staleness is not None:
+            st = self.staleness
+            lines.append(f"Staleness after {int(st['steps'])} optimizer steps at lr {s['lr']:g} "
+                         f"({s['staleness_source']}): token ESS {st['ess']:.3f}, k3 KL {st['k3']:.2e}")
+        lines += [f"Note: {note}" for note in self.notes]
+        r = self.recommendation
+        lines += ["", f"Recommendation ({r.cause}): {r.overrides}", _wrap(r.why)]
+        return "\n".join(lines)
+
+
+def _wrap(text: str, width: int = 92) -> str:
+    return textwrap.fill(text, width)
+
+
+# -- pure measurements -----------------------------------------------------------------------
+
+
+def _logit(logp: torch.Tensor) -> torch.Tensor:
+    """log p - log(1 - p), float64, from log p."""
+    lp = logp.double()
+    return lp - torch.log(-torch.expm1(lp))
+
+
+def epsilon_bins(logp_old: torch.Tensor, logp_rollout: torch.Tensor, mask: torch.Tensor,
+                 edges: tuple[float, ...] = CONFIDENCE_EDGES) -> list[EpsilonBin]:
+    """eps = logit pi_old - logit mu per bin of mu, on valid tokens with 0 < p < 1 on both sides.
+
+    Tokens a side gives probability 1 (log p = 0 in fp32) have no finite logit and are left
+    out; so are tokens outside the trainer's support (probability 0).
+    """
+    lo_, lr_ = logp_old.double(), logp_rollout.double()
+    keep = mask.bool() & (lo_ < 0) & (lr_ < 0) & (lo_ > -1e3)
+    eps = (_logit(lo_) - _logit(lr_))[keep]
+    mu = lr_.exp()[keep]
+    out = []
+    for lo, hi in itertools.pairwise(edges):
+        sel = (mu >= lo) & ((mu < hi) if hi < 1.0 else (mu <= hi))
+        e = eps[sel]
+        if e.numel() == 0:
+            out.append(EpsilonBin(lo, hi, 0, float("nan"), float("nan"), float("nan")))
+            continue
+        q05, q95 = torch.quantile(e, torch.tensor([0.05, 0.95], dtype=e.dtype)).tolist()
+        mad = float((e - e.median()).abs().median())
+        out.append(EpsilonBin(lo, hi, int(e.numel()), mad, q05, q95))
+    return out
+
+
+def numerical_summary(logp_old: torch.Tensor, logp_rollout: torch.Tensor,
+                      mask: torch.Tensor, floor: float) -> dict[str, float]:
+    """k1, k3, max |log rho|, the share outside [1/2, 2] and outside the trainer's support."""
+    from tether.diagnostics import divergence_metrics
+
+    keep = mask.bool()
+    n = max(1, int(keep.sum()))
+    log_rho = (logp_old.double() - logp_rollout.double()).masked_fill(~keep, 0.0)
+    d = divergence_metrics(log_rho, keep, "numerical")
+    return {
+        "k1": d["numerical/k1_kl/mean"],
+        "k3": d["numerical/k3_kl/mean"],
+        "max_abs_log_rho": d["numerical/abs_log_ratio/max"],
+        "tail_share": float(((log_rho.abs() > TAIL_BAND) & keep).sum()) / n,
+        "outside_support": float(((logp_old <= floor / 2) & keep).sum()) / n,
+    }
+
+
+def recommend(numerical_k3: float, tail_share: float | None, staleness_k3: float | None = None,
+              ess: float | None = None, routing_any: float | None = None,
+              staleness_what: str = "the configured staleness",
+              heavy: bool | None = None) -> Recommendation:
+    """DLC's guidance as rules (docs/probe.md).
+
+    numerical only -> cis (calibrated IS); icepop masks instead when rho's tail is heavy or
+    MoE routing moves more than ROUTING_SHARE of tokens; staleness only -> staleness IS with the ESS re-sync; both -> dlc (its centering for the
+    numerical part, staleness IS + ESS re-sync for the other); neither -> on-policy grpo.
+    """
+    numerical = numerical_k3 > NUMERICAL_FLOOR
+    stale = staleness_k3 is not None and (staleness_k3 > STALENESS_FLOOR
+                                          or (ess is not None and ess < ESS_TAU))
+    if heavy is None:
+        heavy = tail_share is not None and tail_share > TAIL_SHARE
+    tail_txt = ("most steps saw a token" if tail_share is None
+                else f"{tail_share:.2%} of tokens have") + " rho outside [1/2, 2]"
+    num_txt = f"numerical k3 {numerical_k3:.1e}"
+    if routing_any:
+        num_txt += f", {routing_any:.1%} of tokens routed to other experts"
+    if stale:
+        st_txt = f"staleness k3 {staleness_k3:.1e} after {staleness_what}" + (
+            f", token ESS {ess:.2f}" if ess is not None else "")
+    if numerical and stale:
+        return Recommendation(
+            "both", "dlc", "ess:0.5",
+            f"Both causes are present ({num_txt}; {st_txt}). DLC's guidance for both: "
+            "center the score over the generator's top-K head for the numerical part (it "
+            "persists after any re-sync), weight by the capped staleness ratio pi_theta/pi_old, "
+            "and re-sync the generator when the staleness ESS falls below 0.5, which is where "
+            "DLC saw runs start to drift.")
+    if stale:
+        return Recommendation(
+            "staleness", "stale_is+none", "ess:0.5",
+            f"Staleness dominates ({st_txt}; {num_txt}, below {NUMERICAL_FLOOR:.0e}). The "
+            "generator's weights lag the trainer's, so weight each token by the capped "
+            "staleness ratio pi_theta/pi_old and re-sync when its ESS falls below 0.5; at equal "
+            "weights the engine matches the trainer, so no numerical correction is needed.")
+    if numerical and routing_any is not None and routing_any > ROUTING_SHARE:
+        return Recommendation(
+            "numerical", "icepop", "every:1",
+            f"Numerical mismatch only, most of it from MoE routing ({num_txt}; no staleness "
+            "configured or measured). A token sent to other experts can move its probability "
+            "far, the tail a cap keeps as bias; IcePop masks the tokens whose rho leaves "
+            "[1/2, 2] (it was made for MoE routing mismatch). Routing replay "
+            "(train.routing_replay=r3, docs/mismatch.md) removes the source.")
+    if numerical and heavy:
+        return Recommendation(
+            "numerical", "icepop", "every:1",
+            f"Numerical mismatch only, with a heavy tail ({num_txt}; {tail_txt}). Truncating a heavy tail keeps its bias; masking the "
+            "tokens outside the band (IcePop / MIS) drops them instead. cis (calibrated "
+            "truncation) is the alternative when few tokens leave the band."
+            + (" With MoE routing disagreement, routing replay removes its source."
+               if routing_any else ""))
+    if numerical:
+        return Recommendation(
+            "numerical", "cis", "every:1",
+            f"Numerical mismatch only ({num_txt}; no staleness configured or measured). It is a "
+            "fixed bias of the engine, not of time: calibrated importance sampling (cis) "
+            "corrects it with a cap that loosens on low-confidence tokens, where TIS's fixed "
+            "cap biases most; a re-sync cannot remove it.")
+    return Recommendation(
+        "none", "grpo", "every:1",
+        f"Generator and trainer agree ({num_txt}, below {NUMERICAL_FLOOR:.0e}; no staleness"
+        f"{'' if staleness_k3 is None else f' beyond k3 {staleness_k3:.1e}'}): on-policy GRPO "
+        "needs no correction.")
+
+
+def recommend_from_rows(rows: list[dict[str, Any]]) -> Recommendation | None:
+    """The same rules on what a run logged (`tether inspect`): the run's mean numerical and
+    staleness k3, its lowest staleness ESS, and its mean routing disagreement. The share of
+    tokens outside [1/2, 2] is not logged; a run counts as heavy-tailed when most steps saw
+    a token outside it (numerical/abs_log_ratio/max > log 2). None without mismatch rows."""
+    def values(key: str) -> list[float]:
+        return [float(r[key]) for r in rows if isinstance(r.get(key), (int, float)) and math.isfinite(r[key])]
+
+    num = values("numerical/k3_kl/mean")
+    if not num:
+        return None
+    stale, ess = values("staleness/k3_kl/mean"), values("staleness/ess/token")
+    peaks, routing = values("numerical/abs_log_ratio/max"), values("numerical/routing_disagreement/any_layer")
+    heavy = sum(p > TAIL_BAND for p in peaks) > len(peaks) / 2
+    return recommend(sum(num) / len(num), None,
+                     sum(stale) / len(stale) if stale else None, min(ess) if ess else None,
+                     sum(routing) / len(routing) if routing else None,
+                     f"{len(num)} logged steps (mean)", heavy=heavy)
+
+
+# -- the probe itself ------------------------------------------------------------------------
+
+
+def staleness_steps(cfg: Config) -> tuple[int, str]:
+    """How many optimizer steps the run's staleness spans, and which settings make it."""
+    if cfg.loop.mode == "async":
+        return cfg.loop.max_staleness, f"loop.max_staleness={cfg.loop.max_staleness}"
+    steps = cfg.sync.lag + cfg.train.minibatches - 1
+    parts = [f"sync.lag={cfg.sync.lag}"] if cfg.sync.lag else []
+    parts += [f"train.minibatches={cfg.train.minibatches}"] if cfg.train.minibatches > 1 else []
+    return steps, " and ".join(parts)
+
+
+def probe(cfg: Config, batches: int = 2) -> ProbeResult:
+    """Run the probe on `cfg`'s model, engine and numerics (see the module docstring)."""
+    from tether.diagnostics import divergence_metrics, is_moe, routing_disagreement
+    from tether.rollout.worker import rewarded_rollouts
+    from tether.run import build_generator, build_task_and_reward, load_policy
+    from tether.trainer import LOGP_FLOOR, Trainer, collate, group_advantages
+    from tether.weights.policy import staleness_ess
+
+    r = cfg.rollout
+    task, reward_fn = build_task_and_reward(cfg)
+    model_path, model, tokenizer, sampling = load_policy(cfg)
+    generator = build_generator(cfg, model, model_path, tokenizer)
+    steps, source = staleness_steps(cfg)
+    # One optimizer step per fresh batch: the staleness spans `steps` versions.
+    trainer = Trainer(model, cfg.train.model_copy(update={"minibatches": 1}), sampling)
+    notes: list[str] = []
+    try:
+        def sample(i: int):
+            indices = [i * r.prompts_per_step + j for j in range(r.prompts_per_step)]
+            rollouts = rewarded_rollouts(generator, tokenizer, task, reward_fn, indices, sampling,
+                                         seed=cfg.run.seed * 1_000_003 + i)
+            return rollouts, collate(rollouts, tokenizer.pad_token_id)
+
+        held = [sample(i)[1] for i in range(batches)]
+        scored = [trainer.score_old(b, model) for b in held]
+        logp_old = _cat([lp for lp, _ in scored])
+        logp_mu = _cat([b.logp_rollout for b in held])
+        mask = _cat([b.response_mask for b in held])
+        numerical = numerical_summary(logp_old, logp_mu, mask, LOGP_FLOOR)
+        eps = epsilon_bins(logp_old, logp_mu, mask)
+        routing = None
+        if is_moe(model):
+            gen_model = getattr(generator, "model", None)
+            if gen_model is None:
+                notes.append("MoE routing disagreement not measured: the vllm engine does not "
+                             "expose its router's choices to tether.")
+            else:
+                parts = [routing_disagreement(model, gen_model, b, cfg.train.micro_batch) for b in held]
+                routing = {k.rsplit("/", 1)[-1]: sum(p[k] for p in parts) / len(parts) for k in parts[0]}
+        staleness = None
+        if steps:
+            start = copy.deepcopy(model).eval()  # the weights the generator keeps
+            for i in range(steps):
+                _, b = sample(batches + i)
+                old, topk_old = trainer.score_old(b, start)
+                adv = group_advantages(b.rewards, b.group_ids, cfg.train.adv_std_norm)
+                trainer.train_on(b, adv, old, topk_old)
+            logp_now = _cat([trainer.score_old(b, model)[0] for b in held])
+            log_r = (logp_now.double() - logp_old.double()).masked_fill(~mask.bool(), 0.0)
+            staleness = {"steps": float(steps), "ess": staleness_ess(logp_now, logp_old, mask),
+                         "k3": divergence_metrics(log_r, mask.bool(), "staleness")["staleness/k3_kl/mean"]}
+    finally:
+        generator.close()
+    rec = recommend(numerical["k3"], numerical["tail_share"],
+                    None if staleness is None else staleness["k3"],
+                    None if staleness is None else staleness["ess"],
+                    None if routing is None else routing["any_layer"],
+                    f"{steps} optimizer steps ({source})")
+    settings = {"model": str(model_path), "engine": r.engine, "precision": r.precision,
+                "router_noise": r.router_noise, "lr": cfg.train.lr, "estimator": cfg.train.estimator,
+                "staleness_source": source or "none", "batches": batches,
+                "batch_size": r.prompts_per_step * r.group_size, "tokens": int(mask.sum())}
+    return ProbeResult(settings, numerical, eps, routing, staleness, rec, notes)
+
+
+def _cat(parts: list[torch.Tensor]) -> torch.Tensor:
+    """Concatenate (B_i, T_i) tensors along B, right-padding T with zeros."""
+    T = max(p.shape[1] for p in parts)
+    return torch.cat([torch.nn.functional.pad(p, (0, T - p.shape[1])) for p in parts])
