@@ -23,6 +23,7 @@ from tether.evaluate import greedy_accuracy, heldout_accuracy
 from tether.guards import check_prompts
 from tether.logger import RunLogger, open_logger
 from tether.models import ensure_default_model, load_model
+from tether.models.routing import is_moe, routers
 from tether.models.tokenizer import encode_exact
 from tether.rewards import build_reward_fn
 from tether.rollout.hf import HFGenerator
@@ -106,6 +107,7 @@ def build_run(cfg: Config, resume: bool = False) -> Run:
     run_dir = make_run_dir(cfg, resume)
     model_path = resolve_model_path(cfg)
     model, tokenizer = load_model(model_path)
+    check_routing_replay(cfg.train.routing_replay, model)
     check_prompts(task, tokenizer, getattr(model.config, "max_position_embeddings", None),
                   r.max_new_tokens, cfg.train.steps * r.prompts_per_step)
     sampling = sampling_params(cfg)
@@ -114,6 +116,20 @@ def build_run(cfg: Config, resume: bool = False) -> Run:
              for p in task.eval_problems()[:cfg.diagnostics.monitor_prompts]]
     return Run(cfg, run_dir, task, reward_fn, model_path, model, tokenizer, sampling, trainer,
                probe)
+
+
+def check_routing_replay(replay: str, model: PreTrainedModel) -> None:
+    """train.routing_replay needs a MoE model whose routers tether can patch."""
+    if replay == "none":
+        return
+    if not is_moe(model):
+        raise ValueError(f"train.routing_replay={replay}: {type(model).__name__} is not a "
+                         "mixture-of-experts model (no routers to replay); set "
+                         "train.routing_replay=none, or model.moe=true for tether's own model")
+    try:
+        routers(model)
+    except ValueError as e:
+        raise ValueError(f"train.routing_replay={replay}: {e}") from None
 
 
 def sampling_params(cfg: Config) -> SamplingParams:
@@ -135,15 +151,16 @@ def build_generator(cfg: Config, model: PreTrainedModel, model_path: Path,
                     tokenizer: PreTrainedTokenizerBase) -> Generator:
     """The rollout engine `rollout.engine` names, holding `model`'s weights as version 0."""
     r = cfg.rollout
+    record = cfg.train.routing_replay == "r3"  # R3 replays the generator's routing
     if r.engine == "vllm":
         from tether.rollout.vllm_engine import VLLMGenerator
 
         generator = VLLMGenerator(model_path, r.precision, eos_token_id=tokenizer.eos_token_id,
-                                  max_logprobs=max(20, r.logprobs_topk))
+                                  max_logprobs=max(20, r.logprobs_topk), record_routes=record)
         generator.load_weights(model.state_dict(), version=0)
         return generator
     return HFGenerator(model, tokenizer.eos_token_id, tokenizer.pad_token_id, r.precision,
-                       r.router_noise)
+                       r.router_noise, record_routes=record)
 
 
 def make_run_dir(cfg: Config, resume: bool = False) -> Path:

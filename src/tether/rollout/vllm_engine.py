@@ -34,8 +34,10 @@ import time
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
+from tether.models.routing import routers, routes_dtype
 from tether.rollout.types import Rollout, SamplingParams
 
 # tether precision name -> (vLLM dtype, vLLM quantization)
@@ -84,6 +86,7 @@ class VLLMGenerator:
         seed: int = 0,
         version: int = 0,
         engine_kwargs: dict[str, Any] | None = None,
+        record_routes: bool = False,
     ) -> None:
         """Start the engine on the HF model directory `model_path` (config.json, *.safetensors).
 
@@ -104,6 +107,9 @@ class VLLMGenerator:
         seed: the engine's global seed; each `generate` call seeds its requests itself.
         version: the weight version the checkpoint at `model_path` holds.
         engine_kwargs: any further `vllm.LLM` arguments, passed through unchanged.
+        record_routes: MoE routing replay R3: the engine returns the experts it routed each
+            position to (vLLM's `enable_return_routed_experts`), kept in
+            `Rollout.routed_experts`; an engine that returns none raises at `generate`.
         """
         if precision not in PRECISIONS:
             raise ValueError(f"precision={precision!r} is not one of {sorted(PRECISIONS)}")
@@ -125,6 +131,13 @@ class VLLMGenerator:
             max_model_len = int(config["max_position_embeddings"])
         self.checkpoint_names = _checkpoint_names(model_path)
         self._skeleton = _meta_model(model_path)  # maps trainer names to checkpoint names
+        # R3: vLLM returns every decoder layer; tether replays its MoE layers'.
+        self.moe_layers = [i for i, _ in routers(self._skeleton)] if record_routes else None
+        if record_routes and not self.moe_layers:
+            raise ValueError(f"record_routes: {type(self._skeleton).__name__} has no MoE layers")
+        cfg = self._skeleton.config
+        experts = getattr(cfg, "num_experts", 0) or getattr(cfg, "num_local_experts", 0)
+        self.routes_dtype = str(routes_dtype(experts)).removeprefix("torch.")  # numpy name
 
         # In-process engine: must be set before vLLM builds its executor.
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
@@ -164,6 +177,8 @@ class VLLMGenerator:
             "seed": seed,
             "disable_log_stats": True,
         }
+        if record_routes:
+            kwargs["enable_return_routed_experts"] = True
         kwargs.update(engine_kwargs or {})
         # vLLM's CPU worker replaces torch.set_num_threads with a no-op for the whole
         # process; the trainer shares this process, so put it back afterwards.
@@ -260,7 +275,24 @@ class VLLMGenerator:
             finish_reason=sample.finish_reason,
             topk_ids=topk_ids,
             topk_logp=topk_logp,
+            routed_experts=self._routes(prompt_id, len(prompt) + len(response) - 1, sample),
         )
+
+    def _routes(self, prompt_id: str, positions: int, sample: Any) -> np.ndarray | None:
+        """The routed experts of the first `positions` positions, MoE layers only (R3)."""
+        if self.moe_layers is None:
+            return None
+        routed = getattr(sample, "routed_experts", None)
+        if routed is None or routed.shape[0] < positions:
+            raise RuntimeError(
+                f"train.routing_replay=r3: vLLM returned "
+                f"{'no' if routed is None else routed.shape[0]} routed-expert rows for prompt "
+                f"{prompt_id!r} ({positions} needed): this vLLM build or platform does not "
+                "capture routed experts (vLLM's CPU backend, or a model runner without "
+                "enable_return_routed_experts). Use rollout.engine=hf, or "
+                "train.routing_replay=r2, which needs no engine support"
+            )
+        return np.asarray(routed)[:positions, self.moe_layers].astype(self.routes_dtype)
 
     def _check_prompt(self, prompt_id: str, ids: list[int], max_new_tokens: int) -> None:
         if not ids:
