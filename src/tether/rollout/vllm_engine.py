@@ -57,6 +57,13 @@ INSTALL_HINT = (
 
 FINISH_REASONS = ("stop", "length")
 
+NO_ROUTES_HINT = (
+    "train.routing_replay=r3 with rollout.engine=vllm needs the engine to return the experts "
+    "it routed each token to, which vLLM does only from its Model Runner V2 (CUDA builds "
+    "with Triton); this vLLM cannot. Use rollout.engine=hf, or train.routing_replay=r2, "
+    "which needs no engine support"
+)
+
 
 def vllm_available() -> bool:
     """True when `import vllm` would succeed (checked without importing it)."""
@@ -186,6 +193,10 @@ class VLLMGenerator:
         try:
             with _quiet_benign_vllm_warnings(), _keep_global_rng():
                 self.llm = LLM(**kwargs)
+        except ValueError as e:  # vLLM's config refuses routed-expert capture here
+            if record_routes and ("AuxOutput" in str(e) or "Model Runner V2" in str(e)):
+                raise ValueError(f"{NO_ROUTES_HINT} (vLLM: {_first_error(e)})") from None
+            raise
         finally:
             torch.set_num_threads = set_num_threads
             torch.set_num_threads(num_threads)
@@ -285,12 +296,8 @@ class VLLMGenerator:
         routed = getattr(sample, "routed_experts", None)
         if routed is None or routed.shape[0] < positions:
             raise RuntimeError(
-                f"train.routing_replay=r3: vLLM returned "
-                f"{'no' if routed is None else routed.shape[0]} routed-expert rows for prompt "
-                f"{prompt_id!r} ({positions} needed): this vLLM build or platform does not "
-                "capture routed experts (vLLM's CPU backend, or a model runner without "
-                "enable_return_routed_experts). Use rollout.engine=hf, or "
-                "train.routing_replay=r2, which needs no engine support"
+                f"vLLM returned {'no' if routed is None else routed.shape[0]} routed-expert "
+                f"rows for prompt {prompt_id!r} ({positions} needed). {NO_ROUTES_HINT}"
             )
         return np.asarray(routed)[:positions, self.moe_layers].astype(self.routes_dtype)
 
@@ -350,6 +357,13 @@ class VLLMGenerator:
         self.llm = None
         gc.collect()
         cleanup_dist_env_and_memory()
+
+
+def _first_error(e: Exception) -> str:
+    """The message of a (pydantic) error without its type/url lines."""
+    lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
+    msg = next((ln for ln in lines if "error," in ln), lines[-1] if lines else "")
+    return msg.split(" [type=")[0]
 
 
 def _repack_cpu_moe_experts(worker) -> int:
