@@ -14,6 +14,7 @@ import torch
 
 from tether.config import TrainConfig, load_config
 from tether.diagnostics import compare_routes, decompose, divergence_metrics
+from tether.inspect import inspect_run
 from tether.logger import read_jsonl
 from tether.loops import train
 from tether.models import build_tiny_model, ensure_default_model
@@ -181,3 +182,5 @@ def test_r3_run_resumed_from_a_checkpoint_is_bit_identical(tmp_path):
     assert all(r["train/grad_norm"] > 0 for r in a[1:])  # it learns: a trajectory to follow
     assert a[2]["numerical/replay_off/k3_kl/mean"] > a[2]["numerical/k3_kl/mean"]
     assert a[-1]["numerical/routing_disagreement/mean"] > 0
+    text, _ = inspect_run(tmp_path / "straight", plots=False)
+    assert "routing replay (r3), steps 2, 4: numerical k3 KL" in text
