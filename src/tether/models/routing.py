@@ -104,8 +104,7 @@ def routers(model: nn.Module) -> list[tuple[int, nn.Module]]:
         if kind in ROUTERS:
             m = re.search(r"layers\.(\d+)\.", name)
             found.append((int(m.group(1)) if m else len(found), module))
-        elif kind.endswith(("Router", "TopkRouter")) or (name.endswith("mlp.gate") and
-                                                          hasattr(module, "top_k")):
+        elif kind.endswith("Router") or (name.endswith("mlp.gate") and hasattr(module, "top_k")):
             unknown.add(kind)
     if unknown or (not found and is_moe(model)):
         raise ValueError(
