@@ -184,3 +184,24 @@ def test_r3_run_resumed_from_a_checkpoint_is_bit_identical(tmp_path):
     assert a[-1]["numerical/routing_disagreement/mean"] > 0
     text, _ = inspect_run(tmp_path / "straight", plots=False)
     assert "routing replay (r3), steps 2, 4: numerical k3 KL" in text
+
+
+def test_r2_on_a_partial_rollout_takes_each_position_from_its_token_version(moe):
+    """A row whose first 3 tokens were sampled at version 0 and the rest at version 1: the
+    replayed experts are version 0's up to the position predicting token 2 (the prompt's
+    included), version 1's after; rows of one version are that version's throughout."""
+    v1 = build_tiny_model(21, moe=True, seed=1)
+    gen = HFGenerator(moe, 1, 0, "fp32")
+    rollouts = gen.generate([[3, 4, 5, 6], [7, 8, 9]], ["a", "b"],
+                            SamplingParams(n=2, max_new_tokens=10), seed=0)
+    for ro in rollouts[:2]:
+        ro.token_versions = [0] * 3 + [1] * (len(ro.response_ids) - 3)
+    batch = collate(rollouts, 0)
+    trainer = Trainer(v1, TrainConfig(routing_replay="r2"), SAMPLING)
+    _, _, replayed = score_old(trainer, batch, {0: moe, 1: v1}.__getitem__)
+    e, P = replayed.routed_experts, batch.prompt_len
+    own0, own1 = (trainer.score(batch, m, record=True).experts for m in (moe, v1))
+    n = len(rollouts[0].response_ids)
+    assert torch.equal(e[2:], own0[2:])
+    assert torch.equal(e[0, :P + 2], own0[0, :P + 2])
+    assert torch.equal(e[0, P + 2:P + n - 1], own1[0, P + 2:P + n - 1])
