@@ -184,7 +184,7 @@ def route(model: nn.Module, replay: torch.Tensor | None = None,
     if replay is not None and replay.shape[2] != len(found):
         raise ValueError(f"routing replay: routes for {replay.shape[2]} MoE layers, "
                          f"{type(model).__name__} has {len(found)}")
-    patched = [getattr(r, "_tether_routing", None) is None for _, r in found]
+    fresh = [getattr(r, "_tether_routing", None) is None for _, r in found]  # unpatch after
     states = [_state(r) for _, r in found]
     for i, state in enumerate(states):
         state.record, state.recorded = record, []
@@ -193,9 +193,9 @@ def route(model: nn.Module, replay: torch.Tensor | None = None,
     try:
         yield Routes(model, found) if record else None
     finally:
-        for (_, router), state, fresh in zip(found, states, patched):
+        for (_, router), state, was_fresh in zip(found, states, fresh):
             state.record, state.recorded, state.replay = False, [], None
-            if fresh:
+            if was_fresh:
                 _unpatch(router)
 
 
