@@ -103,7 +103,7 @@ def test_pi_old_per_row_and_per_token_version(two_versions, tokenizer):
     for ro in rollouts[:2]:
         ro.token_versions = [0] * 3 + [1] * (len(ro.response_ids) - 3)
     batch = collate(rollouts, tok.pad_token_id)
-    logp, _ = score_old(trainer, batch, models.__getitem__)
+    logp, _, _ = score_old(trainer, batch, models.__getitem__)
     # Reference: every version's rows scored separately with that version's model.
     for v, model in models.items():
         rows = ((batch.token_versions == v) & batch.response_mask.bool()).any(1).nonzero().squeeze(1)
@@ -144,7 +144,7 @@ def test_partial_rollout_samples_each_token_from_its_version(two_versions):
     for a, b in zip(rollouts, switched):  # same seed: identical until the switch
         assert a.response_ids[:4] == b.response_ids[:4]
     batch = collate(long, tok.pad_token_id)
-    logp, _ = score_old(trainer, batch, {0: v0, 1: trainer.model}.__getitem__)
+    logp, _, _ = score_old(trainer, batch, {0: v0, 1: trainer.model}.__getitem__)
     mask = batch.response_mask.bool()
     assert torch.allclose(logp[mask], batch.logp_rollout[mask], atol=1e-5, rtol=0)
     wrong, _ = token_logprobs(v0, batch, SAMPLING)  # scored at one version: a visible error

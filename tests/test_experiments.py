@@ -111,12 +111,16 @@ def test_full_matrices_are_the_documented_ones():
     dlc = get("dlc").build()
     assert len(dlc.groups()) == 21 and len(dlc.cells) == 63  # duplicates skipped, 3 seeds
     vespo = get("vespo").build()
-    assert {c.scenario for c in vespo.cells} == {f"N{n}" for n in (1, 4, 8, 16, 32, 64)}
-    assert len(vespo.groups()) == 36
+    assert {c.scenario for c in vespo.cells} == {f"N{n}" for n in (1, 4, 8, 16, 32, 64)} | {
+        "moe_N8", "moe_N32"}
+    assert len(vespo.groups()) == 36 + 8  # + MoE N in {8, 32} x {grpo, vespo} x {-, r2}
+    assert {c.method for c in vespo.cells if c.scenario == "moe_N8"} == {
+        "grpo", "grpo_r2", "vespo", "vespo_r2"}
     cis = get("cis").build()
     assert cis.groups() == [("exact", "none")] + [(g, m) for g in ("bf16", "bf16_route")
-                                                  for m in ("none", "tis", "mis", "cis")]
-    assert len(cis.cells) == 27
+                                                  for m in ("none", "tis", "mis", "cis")] + [
+        ("bf16_route_r3", "none"), ("bf16_route_r3", "cis")]
+    assert len(cis.cells) == 33
 
 
 def test_an_out_dir_is_not_reused_under_other_settings(tmp_path, capsys):

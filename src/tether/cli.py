@@ -28,7 +28,8 @@ Settings come from a YAML file (--config) and/or dotted key=value overrides, e.g
 
 Sections: model (which model; default is tether's own tiny Qwen3), task (countdown or
 numeric), reward (your own reward function, optional), rollout (engine, generator
-precision, sampling), train (steps, optimizer, estimator), sync (when the generator
+precision, sampling), train (steps, optimizer, estimator; MoE routing replay
+train.routing_replay=none|r2|r3, docs/mismatch.md), sync (when the generator
 gets new weights), loop (loop.mode=async: rollout workers generate while the trainer
 trains, loop.workers, loop.max_staleness, loop.partial; docs/async.md), eval, run
 (directory, seed).

@@ -213,6 +213,15 @@ class TrainConfig(_Node):
         description="Stop the run (with a checkpoint, exit code 3) after this many optimizer steps "
         "in a row were skipped for a non-finite log-prob, advantage, loss or gradient norm.",
     )
+    routing_replay: Literal["none", "r2", "r3"] = Field(
+        "none",
+        description="MoE routing replay (docs/mismatch.md). none: every forward's routers choose "
+        "their top-k. r3: the generator records each position's experts and the trainer's "
+        "logp_old and logp forwards use them (removes routing mismatch from the numerical "
+        "side). r2: the experts of the logp_old forward are replayed in the logp forwards "
+        "(routing cannot move with staleness). Gate weights always come from the trainer's "
+        "router, so it still learns. MoE models only.",
+    )
 
 
 class SyncConfig(_Node):

@@ -13,7 +13,9 @@ tokens of the batch, this module adds (`<cause>/<metric>/<stat>`):
     chi2/token        mean(exp(2 delta)) - 1            chi^2(target || sampler), per token
     chi2/seq          mean_i exp(2 sum_t delta) - 1     the same on sequence ratios
     ppl_ratio/mean    mean_i exp(-mean_t delta)         perplexity under target / under sampler
-and, for the MoE model, `numerical/routing_disagreement/{mean,any_layer}`.
+and, for the MoE model, `numerical/routing_disagreement/{mean,any_layer}`; with routing
+replay R3, the same divergence metrics of the forward without replay
+(`numerical/replay_off/<metric>/<stat>`, docs/mismatch.md).
 The KL estimates use the tokens as drawn from mu, so the staleness ones estimate
 KL(pi_old || pi_theta) up to the numerical gap. Weight statistics (mean, max, second
 moment) and ESS of each cause are the estimator's own metrics and function
@@ -33,6 +35,8 @@ from torch import nn
 
 from tether.estimators.base import SAFETY_BOUND
 from tether.estimators.metrics import ratio_metrics, to_floats
+from tether.models.routing import is_moe
+from tether.trainer import forward
 
 CAUSES = ("numerical", "staleness", "total")
 
@@ -124,51 +128,46 @@ def mismatch_metrics(d: Decomposition) -> dict[str, float]:
 # -- MoE routing ---------------------------------------------------------------------------
 
 
-def is_moe(model: nn.Module) -> bool:
-    cfg = getattr(model, "config", None)
-    return bool(getattr(cfg, "num_experts", 0)) and bool(getattr(cfg, "num_experts_per_tok", 0))
-
-
 @torch.no_grad()
 def expert_sets(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                 micro_batch: int = 64) -> torch.Tensor:
-    """Each position's chosen experts, sorted: (layers, B, L, top_k) long.
-
-    The choice is the model's own: top_k of softmax(router logits) (Qwen3-MoE router).
-    """
-    k = model.config.num_experts_per_tok
-    position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
-    B, L = input_ids.shape
-    parts = []
-    for i in range(0, B, micro_batch):
-        sl = slice(i, i + micro_batch)
-        out = model(input_ids=input_ids[sl], attention_mask=attention_mask[sl],
-                    position_ids=position_ids[sl], output_router_logits=True)
-        layers = [torch.softmax(lg.float(), dim=-1).topk(k, dim=-1).indices.sort(dim=-1).values
-                  .reshape(-1, L, k) for lg in out.router_logits]
-        parts.append(torch.stack(layers))  # (layers, b, L, k)
-    return torch.cat(parts, dim=1)
+    """Each position's chosen experts (B, L, layers, k): the model's own top-k, no replay."""
+    parts = [forward(model, input_ids[i:i + micro_batch], attention_mask[i:i + micro_batch],
+                     record=True)[1] for i in range(0, input_ids.shape[0], micro_batch)]
+    return torch.cat(parts)
 
 
 def routing_disagreement(trainer_model: nn.Module, generator_model: nn.Module, batch,
                          micro_batch: int = 64) -> dict[str, float]:
-    """Share of response tokens routed to another expert set by the generator's numerics.
+    """Share of response tokens routed to another expert set by the generator's numerics,
+    the generator model re-run on the batch (teacher-forced). Empty for dense models.
 
     Both models hold the same weights version; the trainer's runs fp32, the generator's
-    its own numerics. Counted at the positions that predict the response tokens (where
-    `logp` is read), on valid tokens: `mean` over (token, layer) pairs, `any_layer` the
-    share of tokens with a different set in at least one layer. Empty for dense models.
-    `batch` is a `tether.trainer.RolloutTensors`.
+    its own numerics. `batch` is a `tether.trainer.RolloutTensors`.
     """
     if not (is_moe(trainer_model) and is_moe(generator_model)):
         return {}
     a = expert_sets(trainer_model, batch.input_ids, batch.attention_mask, micro_batch)
     b = expert_sets(generator_model, batch.input_ids, batch.attention_mask, micro_batch)
+    return compare_routes(a, b, batch)
+
+
+def compare_routes(trainer_routes: torch.Tensor, generator_routes: torch.Tensor,
+                   batch) -> dict[str, float]:
+    """`numerical/routing_disagreement/*` of two routings (B, P+T, layers, k) of a batch.
+
+    Counted at the positions that predict the response tokens (where `logp` is read), on
+    valid tokens, comparing expert *sets* (order within the top-k does not matter):
+    `mean` over (token, layer) pairs, `any_layer` the share of tokens with a different
+    set in at least one layer.
+    """
     P, T = batch.prompt_len, batch.response_ids.shape[1]
-    differs = (a != b).any(dim=-1)[:, :, P - 1:P + T - 1]  # (layers, B, T)
-    keep = batch.response_mask.bool()
+    a, b = (r.long().sort(dim=-1).values[:, P - 1:P + T - 1]
+            for r in (trainer_routes, generator_routes))
+    differs = (a != b).any(dim=-1)  # (B, T, layers)
+    keep = batch.response_mask.bool()[..., None]
     n = keep.sum().clamp(min=1)
-    per_pair = (differs & keep).sum() / (n * differs.shape[0])
-    any_layer = (differs.any(dim=0) & keep).sum() / n
+    per_pair = (differs & keep).sum() / (n * differs.shape[-1])
+    any_layer = (differs.any(dim=-1, keepdim=True) & keep).sum() / n
     return {"numerical/routing_disagreement/mean": float(per_pair),
             "numerical/routing_disagreement/any_layer": float(any_layer)}

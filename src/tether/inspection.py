@@ -153,6 +153,12 @@ def summarize(rows: list[dict[str, Any]], cfg: dict[str, Any], tau: float | None
     route = series(train_rows, "numerical/routing_disagreement/mean")[1]
     if route:
         out.append(f"MoE routing disagreement (token, layer): mean {_mean(route):.2%}, max {max(route):.2%}")
+    r_steps, k3_off = series(train_rows, "numerical/replay_off/k3_kl/mean")
+    if r_steps:  # routing replay r3: the numerical k3 with and without it, same batches
+        on = dict(zip(*series(train_rows, "numerical/k3_kl/mean")))
+        out.append(f"routing replay (r3), steps {_steps_list(r_steps)}: numerical k3 KL "
+                   f"{_fmt(_mean([on[s] for s in r_steps]))} replayed, "
+                   f"{_fmt(_mean(k3_off))} without replay (mean)")
     m_steps, m_k3 = series(train_rows, "monitor/k3_kl/mean")
     if m_steps:
         share = series(train_rows, "monitor/kl_share/rare")[1]

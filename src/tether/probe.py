@@ -98,6 +98,7 @@ class ProbeResult:
         lines = [
             f"tether probe: {s['model']}, engine {s['engine']}, generator {s['precision']}"
             + (f" + router noise {s['router_noise']}" if s["router_noise"] else "")
+            + (f", routing replay {s['routing_replay']}" if s["routing_replay"] != "none" else "")
             + f"; {s['batches']} batches x {s['batch_size']} responses ({s['tokens']} tokens)",
             "",
             "Numerical mismatch at equal weights (pi_old: trainer fp32; mu: generator):",
@@ -339,7 +340,8 @@ def probe(cfg: Config, batches: int = 2) -> ProbeResult:
                     None if routing is None else routing["any_layer"],
                     f"{steps} optimizer steps ({source})")
     settings = {"model": str(model_path), "engine": r.engine, "precision": r.precision,
-                "router_noise": r.router_noise, "lr": cfg.train.lr, "estimator": cfg.train.estimator,
+                "router_noise": r.router_noise, "routing_replay": cfg.train.routing_replay,
+                "lr": cfg.train.lr, "estimator": cfg.train.estimator,
                 "staleness_source": source or "none", "batches": batches,
                 "batch_size": r.prompts_per_step * r.group_size, "tokens": int(mask.sum())}
     return ProbeResult(settings, numerical, eps, routing, staleness, rec, notes)

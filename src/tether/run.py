@@ -19,10 +19,12 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from tether.checkpoint import RunState, check_fresh_run_dir, load_checkpoint
 from tether.config import Config, dump_config, resolve_logprobs_topk
+from tether.errors import InputError
 from tether.evaluate import greedy_accuracy, heldout_accuracy
 from tether.guards import check_prompts
 from tether.logger import RunLogger, open_logger
 from tether.models import ensure_default_model, load_model
+from tether.models.routing import is_moe, routers
 from tether.models.tokenizer import encode_exact
 from tether.rewards import build_reward_fn
 from tether.rollout.hf import HFGenerator
@@ -101,6 +103,7 @@ def build_run(cfg: Config, resume: bool = False) -> Run:
     task, reward_fn = build_task_and_reward(cfg)
     run_dir = make_run_dir(cfg, resume)
     model_path, model, tokenizer, sampling = load_policy(cfg)
+    check_routing_replay(cfg.train.routing_replay, model)
     check_prompts(task, tokenizer, getattr(model.config, "max_position_embeddings", None),
                   r.max_new_tokens, cfg.train.steps * r.prompts_per_step)
     trainer = Trainer(model, cfg.train, sampling)
@@ -126,6 +129,20 @@ def load_policy(cfg: Config) -> tuple[Path, PreTrainedModel, PreTrainedTokenizer
     return model_path, model, tokenizer, sampling_params(cfg, model.config.vocab_size)
 
 
+def check_routing_replay(replay: str, model: PreTrainedModel) -> None:
+    """train.routing_replay needs a MoE model whose routers tether can patch."""
+    if replay == "none":
+        return
+    if not is_moe(model):
+        raise InputError(f"train.routing_replay={replay}: {type(model).__name__} is not a "
+                         "mixture-of-experts model (no routers to replay); set "
+                         "train.routing_replay=none, or model.moe=true for tether's own model")
+    try:
+        routers(model)
+    except ValueError as e:
+        raise InputError(f"train.routing_replay={replay}: {e}") from None
+
+
 def sampling_params(cfg: Config, vocab_size: int) -> SamplingParams:
     """How the generator samples; `rollout.logprobs_topk` resolved for a vocabulary of `vocab_size`."""
     r = cfg.rollout
@@ -146,15 +163,17 @@ def build_generator(cfg: Config, model: PreTrainedModel, model_path: Path,
                     tokenizer: PreTrainedTokenizerBase) -> Generator:
     """The rollout engine `rollout.engine` names, holding `model`'s weights as version 0."""
     r = cfg.rollout
+    record = cfg.train.routing_replay == "r3"  # R3 replays the generator's routing
     if r.engine == "vllm":
         from tether.rollout.vllm_engine import VLLMGenerator
 
         generator = VLLMGenerator(model_path, r.precision, eos_token_id=tokenizer.eos_token_id,
-                                  max_logprobs=max(20, resolve_logprobs_topk(cfg, model.config.vocab_size)))
+                                  max_logprobs=max(20, resolve_logprobs_topk(cfg, model.config.vocab_size)),
+                                  record_routes=record)
         generator.load_weights(model.state_dict(), version=0)
         return generator
     return HFGenerator(model, tokenizer.eos_token_id, tokenizer.pad_token_id, r.precision,
-                       r.router_noise)
+                       r.router_noise, record_routes=record)
 
 
 def make_run_dir(cfg: Config, resume: bool = False) -> Path:

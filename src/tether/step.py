@@ -19,11 +19,18 @@ import torch
 from torch import nn
 
 from tether.config import DiagnosticsConfig
-from tether.diagnostics import decompose, is_moe, mismatch_metrics, routing_disagreement
+from tether.diagnostics import (
+    compare_routes,
+    decompose,
+    divergence_metrics,
+    mismatch_metrics,
+    routing_disagreement,
+)
+from tether.models.routing import is_moe
 from tether.monitor import current_model_monitor
 from tether.rollout.types import Rollout, SamplingParams
 from tether.tasks.base import is_correct
-from tether.trainer import RolloutTensors, Trainer, group_advantages, mean_metrics
+from tether.trainer import RolloutTensors, Trainer, group_advantages, mean_metrics, score_batch
 
 log = logging.getLogger("tether.diagnostics")
 
@@ -31,28 +38,47 @@ ModelAt = Callable[[int], nn.Module]  # weight version -> a model holding it
 
 
 def score_old(trainer: Trainer, batch: RolloutTensors,
-              model_at: ModelAt) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """`logp_old` (B, T) and top-K (B, T, K): each token at the version that sampled it.
+              model_at: ModelAt) -> tuple[torch.Tensor, torch.Tensor | None, RolloutTensors]:
+    """`logp_old` (B, T) and top-K (B, T, K): each token at the version that sampled it; and
+    the batch the training forwards are to score.
 
     One no-grad forward per distinct version, over the rows holding a token of it (a row
     of one version is scored once; a partial rollout's row once per version it spans).
     The usual batch, sampled at one version, is one forward over the whole batch.
+    Routing replay R2 (`train.routing_replay=r2`): the returned batch carries the experts
+    these forwards chose (`routed_experts`), which the `logp` forwards then replay; a
+    partial rollout's position takes them from the version of the token it predicts.
+    Otherwise the batch is returned as it came (under R3 it carries the generator's).
     """
+    r2 = trainer.cfg.routing_replay == "r2"
     valid = batch.response_mask.bool()
     distinct = batch.token_versions[valid].unique().tolist() or [int(batch.versions[0])]
     if len(distinct) == 1:
-        return trainer.score_old(batch, model_at(int(distinct[0])))
+        s = trainer.score(batch, model_at(int(distinct[0])), record=r2)
+        return s.logp, s.topk, replace(batch, routed_experts=s.experts) if r2 else batch
     logp = torch.zeros_like(batch.logp_rollout)
     topk = None if batch.topk_ids is None else torch.zeros(batch.topk_ids.shape)
+    experts = None
+    P, T = batch.prompt_len, batch.response_ids.shape[1]
     for v in distinct:
         at_v = (batch.token_versions == v) & valid  # (B, T)
         rows = at_v.any(dim=1).nonzero().squeeze(1)
-        lp, tk = trainer.score_old(batch.select(rows), model_at(int(v)))
+        s = trainer.score(batch.select(rows), model_at(int(v)), record=r2)
         sel = at_v[rows]
-        logp[rows] = torch.where(sel, lp, logp[rows])
+        logp[rows] = torch.where(sel, s.logp, logp[rows])
         if topk is not None:
-            topk[rows] = torch.where(sel[..., None], tk, topk[rows])
-    return logp, topk
+            topk[rows] = torch.where(sel[..., None], s.topk, topk[rows])
+        if s.experts is not None:
+            if experts is None:
+                experts = s.experts.new_zeros((batch.input_ids.shape[0], *s.experts.shape[1:]))
+                fresh = torch.ones(batch.input_ids.shape[0], dtype=torch.bool)
+            first = fresh[rows]  # a row's prompt keeps the routing of its oldest version
+            experts[rows[first]] = s.experts[first]
+            fresh[rows] = False
+            at = torch.zeros(sel.shape[0], P + T, dtype=torch.bool)
+            at[:, P - 1:P + T - 1] = sel  # the positions that predict version v's tokens
+            experts[rows] = torch.where(at[..., None, None], s.experts, experts[rows])
+    return logp, topk, replace(batch, routed_experts=experts) if r2 else batch
 
 
 @dataclass
@@ -67,13 +93,18 @@ class Diagnostics:
     `generator_at(v)`: an in-process model with the generator's numerics holding version v
     (None where the engine's weights cannot be read, e.g. vLLM): routing disagreement is
     measured at the batch's version, the monitor at the version the generator holds now.
+    A batch that carries the generator's own routing (R3) is compared against it instead:
+    one forward of the trainer at the batch's version without replay, which also gives the
+    numerical mismatch replay removed (`numerical/replay_off/*`, every M steps).
     """
 
     def __init__(self, cfg: DiagnosticsConfig, model: nn.Module, sampling: SamplingParams,
-                 probe: list[list[int]], eos_id: int, pad_id: int, micro_batch: int):
+                 probe: list[list[int]], eos_id: int, pad_id: int, micro_batch: int,
+                 routing_replay: str = "none"):
         self.cfg, self.model, self.sampling, self.probe = cfg, model, sampling, probe
         self.eos_id, self.pad_id, self.micro_batch = eos_id, pad_id, micro_batch
         self._off: set[str] = set()  # settings already reported as off (engine without weights)
+        self.r3 = routing_replay == "r3"
 
     def __call__(self, step: int, seed: int, batch: RolloutTensors, logp_old: torch.Tensor,
                  logp: torch.Tensor | None, trainer_at: ModelAt,
@@ -82,10 +113,19 @@ class Diagnostics:
         d = self.cfg
         out = mismatch_metrics(decompose(batch.logp_rollout, logp_old, logp, batch.response_mask))
         version = int(batch.versions[0])
-        if d.routing and is_moe(self.model) and \
+        monitor_due = bool(d.monitor_every) and (step + 1) % d.monitor_every == 0
+        if self.r3 and batch.routed_experts is not None and (d.routing or monitor_due):
+            off = score_batch(trainer_at(version), replace(batch, routed_experts=None),
+                              self.sampling, self.micro_batch, record=True)
+            if d.routing:
+                out |= compare_routes(off.experts, batch.routed_experts, batch)
+            if monitor_due:
+                delta = off.logp.double() - batch.logp_rollout.double()
+                out |= divergence_metrics(delta, batch.response_mask, "numerical/replay_off")
+        elif d.routing and is_moe(self.model) and \
                 (gen := self._generator(generator_at, version, "diagnostics.routing")) is not None:
             out |= routing_disagreement(trainer_at(version), gen, batch, self.micro_batch)
-        if d.monitor_every and (step + 1) % d.monitor_every == 0 and (gen := self._generator(
+        if monitor_due and (gen := self._generator(
                 generator_at, generator_version, "diagnostics.monitor_every")) is not None:
             out |= current_model_monitor(
                 self.model, gen, self.probe,

@@ -3,7 +3,10 @@
 The trainer scores every sampled token twice: `logp_old` without grad at the weights of
 the batch's version (a kept snapshot), and `logp` with grad at the current weights.
 Both use the same processed distribution as the generator (`process_logits`), so with
-equal weights and numerics all three log-probs agree.
+equal weights and numerics all three log-probs agree. Every trainer forward goes through
+`forward` (and `token_logprobs` on top of it), which replays the batch's MoE routing when
+it carries one (`RolloutTensors.routed_experts`: R3, the generator's; R2, the `logp_old`
+forward's; tether.models.routing).
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from transformers import PreTrainedModel
 from tether.config import TrainConfig
 from tether.estimators import LossOutput, TokenBatch, build_estimator
 from tether.guards import StepGuard, first_nonfinite
+from tether.models.routing import pad_routes, route
 from tether.rollout.hf import process_logits
 from tether.rollout.types import Rollout, SamplingParams
 
@@ -37,6 +41,9 @@ class RolloutTensors:
     token_versions: torch.Tensor  # (B, T) version that sampled each token (partial rollouts: several)
     topk_ids: torch.Tensor | None = None  # (B, T, K)
     topk_logp_rollout: torch.Tensor | None = None  # (B, T, K)
+    # MoE routing replay: the experts every trainer forward on this batch uses at each
+    # position, (B, P+T, layers, k) uint8/int16; None: the routers choose (no replay).
+    routed_experts: torch.Tensor | None = None
 
     @property
     def versions(self) -> torch.Tensor:
@@ -68,6 +75,7 @@ def collate(rollouts: list[Rollout], pad_id: int) -> RolloutTensors:
     topk_ids = torch.zeros((B, T, K), dtype=torch.long) if K else None
     topk_lp = torch.zeros((B, T, K)) if K else None
     token_versions = torch.tensor([r.version for r in rollouts])[:, None].repeat(1, T)
+    routed = _routes_buffer(rollouts, P + T)
     for i, r in enumerate(rollouts):
         p, n = len(r.prompt_ids), len(r.response_ids)
         input_ids[i, P - p:P] = torch.tensor(r.prompt_ids)
@@ -80,6 +88,8 @@ def collate(rollouts: list[Rollout], pad_id: int) -> RolloutTensors:
         if K:
             topk_ids[i, :n] = torch.tensor(r.topk_ids)
             topk_lp[i, :n] = torch.tensor(r.topk_logp)
+        if routed is not None:
+            routed[i, P - p:P + n - 1] = torch.from_numpy(r.routed_experts)
     return RolloutTensors(
         input_ids=input_ids,
         attention_mask=attn,
@@ -91,28 +101,91 @@ def collate(rollouts: list[Rollout], pad_id: int) -> RolloutTensors:
         token_versions=token_versions,
         topk_ids=topk_ids,
         topk_logp_rollout=topk_lp,
+        routed_experts=routed,
     )
 
 
-def token_logprobs(
-    model: PreTrainedModel, batch: RolloutTensors, sampling: SamplingParams
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Log-probs of the sampled tokens (B, T) and of the top-K ids (B, T, K) under `model`.
+def _routes_buffer(rollouts: list[Rollout], width: int) -> torch.Tensor | None:
+    """(B, width, layers, k) filled with `pad_routes`, when the rollouts carry routed experts."""
+    have = [r.routed_experts is not None for r in rollouts]
+    if not any(have):
+        return None
+    if not all(have):
+        raise ValueError("collate: some rollouts carry routed experts and some do not")
+    first = rollouts[0].routed_experts
+    layers, k = first.shape[1:]
+    pad = pad_routes(k, torch.from_numpy(first[:0]).dtype)
+    return pad.expand(len(rollouts), width, layers, k).clone()
 
-    Differentiable when called with grad enabled. Padding positions hold 0.
+
+def forward(
+    model: PreTrainedModel, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+    routed_experts: torch.Tensor | None = None, record: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The trainer's one forward: logits (B, L, V) of left-padded rows, and with `record`
+    the experts each MoE layer chose (B, L, layers, k) (None for a dense model).
+
+    `routed_experts` (B, L, layers, k): replay these experts instead of the routers' top-k,
+    gate weights from the model's own router logits (tether.models.routing).
+    """
+    position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
+    with route(model, routed_experts, record) as routes:
+        logits = model(input_ids=input_ids, attention_mask=attention_mask,
+                       position_ids=position_ids).logits
+        experts = routes.pop(tuple(input_ids.shape)) if routes is not None else None
+    return logits, experts
+
+
+@dataclass
+class Scores:
+    """What a trainer forward says about a batch's sampled tokens."""
+
+    logp: torch.Tensor  # (B, T), 0 on padding
+    topk: torch.Tensor | None  # (B, T, K) at the batch's top-K ids, when it has them
+    experts: torch.Tensor | None  # (B, P+T, layers, k) the MoE experts used, when recorded
+
+
+def score_tokens(model: PreTrainedModel, batch: RolloutTensors, sampling: SamplingParams,
+                 record: bool = False) -> Scores:
+    """Log-probs of the sampled tokens and of the top-K ids under `model`, replaying
+    `batch.routed_experts` when set; `record`: also the experts its MoE layers used.
+
+    Differentiable when called with grad enabled.
     """
     P, T = batch.prompt_len, batch.response_ids.shape[1]
-    position_ids = (batch.attention_mask.cumsum(-1) - 1).clamp(min=0)
-    logits = model(
-        input_ids=batch.input_ids, attention_mask=batch.attention_mask, position_ids=position_ids
-    ).logits[:, P - 1:P + T - 1]  # (B, T, V): position P+t-1 predicts response token t
+    logits, experts = forward(model, batch.input_ids, batch.attention_mask, batch.routed_experts,
+                              record)
+    logits = logits[:, P - 1:P + T - 1]  # (B, T, V): position P+t-1 predicts response token t
     logp_all = process_logits(logits, sampling.temperature, sampling.top_k, sampling.top_p)
     logp_all = logp_all.clamp(min=LOGP_FLOOR)
     logp = logp_all.gather(-1, batch.response_ids[..., None]).squeeze(-1) * batch.response_mask
     topk = None
     if batch.topk_ids is not None:
         topk = logp_all.gather(-1, batch.topk_ids) * batch.response_mask[..., None]
-    return logp, topk
+    return Scores(logp, topk, experts)
+
+
+@torch.no_grad()
+def score_batch(model: PreTrainedModel, batch: RolloutTensors, sampling: SamplingParams,
+                micro_batch: int, record: bool = False) -> Scores:
+    """`score_tokens` over `micro_batch` rows at a time, without grad, in eval mode."""
+    model.eval()
+    parts = [score_tokens(model, batch.select(slice(i, i + micro_batch)), sampling, record)
+             for i in range(0, batch.input_ids.shape[0], micro_batch)]
+
+    def cat(name: str) -> torch.Tensor | None:
+        values = [getattr(p, name) for p in parts]
+        return None if values[0] is None else torch.cat(values)
+
+    return Scores(cat("logp"), cat("topk"), cat("experts"))
+
+
+def token_logprobs(
+    model: PreTrainedModel, batch: RolloutTensors, sampling: SamplingParams
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(logp (B, T), top-K logp (B, T, K) or None) of `score_tokens`. Padding positions hold 0."""
+    scores = score_tokens(model, batch, sampling)
+    return scores.logp, scores.topk
 
 
 def group_advantages(rewards: torch.Tensor, group_ids: torch.Tensor, std_norm: bool) -> torch.Tensor:
@@ -156,14 +229,12 @@ class Trainer:
         self, batch: RolloutTensors, model: PreTrainedModel
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """`logp_old` (and top-K) at the batch's weights, micro-batched, without grad."""
-        model.eval()
-        parts = [
-            token_logprobs(model, batch.select(slice(i, i + self.cfg.micro_batch)), self.sampling)
-            for i in range(0, batch.input_ids.shape[0], self.cfg.micro_batch)
-        ]
-        logp = torch.cat([p[0] for p in parts])
-        topk = torch.cat([p[1] for p in parts]) if parts[0][1] is not None else None
-        return logp, topk
+        scores = self.score(batch, model)
+        return scores.logp, scores.topk
+
+    def score(self, batch: RolloutTensors, model: PreTrainedModel, record: bool = False) -> Scores:
+        """`score_batch` in `train.micro_batch` rows (`record`: also the experts used)."""
+        return score_batch(model, batch, self.sampling, self.cfg.micro_batch, record)
 
     def train_on(
         self,

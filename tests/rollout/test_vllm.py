@@ -283,3 +283,17 @@ def test_weight_sync_of_a_moe_model(engines, tmp_path):
     rollouts = gen.generate(PROMPTS, PROMPT_IDS, PLAIN, seed=0)
     mean_abs, _, n = mismatch(model, 0, rollouts, PLAIN)
     assert n > 300 and mean_abs < 1e-5
+
+
+def test_r3_needs_an_engine_that_returns_routed_experts(tmp_path):
+    # vLLM returns routed experts only from its Model Runner V2, which needs Triton; this
+    # CPU build has none, so r3 must fail at engine start with the way out (hf, or r2).
+    # vLLM refuses while validating its config, before any engine exists beside the live one.
+    from vllm.triton_utils import HAS_TRITON
+
+    if HAS_TRITON:
+        pytest.skip("this vLLM can return routed experts (Model Runner V2)")
+    build_tiny_model(21, moe=True, seed=0).save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match="routing_replay=r3 .* rollout.engine=hf, or "
+                                         "train.routing_replay=r2"):
+        VLLMGenerator(tmp_path, "fp32", eos_token_id=1, record_routes=True)

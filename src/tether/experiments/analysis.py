@@ -159,14 +159,13 @@ def make_probe(out: Path, model_path: str, max_new_tokens: int, seed: int = 1234
 def probe_logp(model_dir: Path, probe: dict) -> torch.Tensor:
     """(B, T, V) log-probs of a final model at every probe response position."""
     from tether.models import load_model
+    from tether.trainer import forward
 
     model, _ = load_model(model_dir)
     model.eval()
-    am = probe["attention_mask"]
     P, T = probe["prompt_len"], probe["response_mask"].shape[1]
-    logits = model(input_ids=probe["input_ids"], attention_mask=am,
-                   position_ids=(am.cumsum(-1) - 1).clamp(min=0)).logits[:, P - 1:P + T - 1]
-    return torch.log_softmax(logits.float(), -1)
+    logits, _ = forward(model, probe["input_ids"], probe["attention_mask"])
+    return torch.log_softmax(logits[:, P - 1:P + T - 1].float(), -1)
 
 
 def probe_kl(a: torch.Tensor, b: torch.Tensor, mask: torch.Tensor) -> float:

@@ -8,7 +8,10 @@ reference (fp32 generator, grpo). The tiny model's bf16 router sends under 1% of
 (token, layer) pairs to other experts; `bf16_route` adds router-logit noise of std 0.1
 (`rollout.router_noise`), which re-routes 7-9% on the warm-started model
 (docs/mismatch.md), about the 10% that R3 (arXiv 2510.11370) measured between vLLM and
-Megatron on a large MoE. Second moments come from the training logs
+Megatron on a large MoE. `bf16_route_r3` is the same generator with routing replay R3
+(`train.routing_replay=r3`: the trainer replays the generator's experts), x {none, cis}:
+what replay leaves of the mismatch for a correction to handle. Second moments come from
+the training logs
 (`numerical/is_weight/*second_moment`: the raw rho; `correction/weight/*`: what the
 method applied). Truncation bias by confidence bin is measured once on the starting
 model (`truncation_bias`): tokens sampled by the bf16 + router-noise generator, binned
@@ -36,7 +39,10 @@ METHODS = {"none": ["train.estimator=grpo"], "tis": ["train.estimator=tis"],
            "mis": ["train.estimator=mis"], "cis": ["train.estimator=cis"]}
 ROUTER_NOISE = 0.1
 SCENARIOS = {"exact": ["rollout.precision=fp32"], "bf16": ["rollout.precision=bf16"],
-             "bf16_route": ["rollout.precision=bf16", f"rollout.router_noise={ROUTER_NOISE}"]}
+             "bf16_route": ["rollout.precision=bf16", f"rollout.router_noise={ROUTER_NOISE}"],
+             "bf16_route_r3": ["rollout.precision=bf16", f"rollout.router_noise={ROUTER_NOISE}",
+                               "train.routing_replay=r3"]}
+R3_METHODS = ("none", "cis")  # the r3 rows: replay alone, and replay with CIS
 BIN_EDGES = (0.0, 0.5, 0.9, 0.99, 1.0)  # pi_old(y) bins; the last holds the confident tokens
 BIAS_CORRECTIONS = ("none", "tis", "mis", "cis")
 
@@ -59,9 +65,12 @@ def build(quick: bool = False, seeds: int | None = None) -> Experiment:
              for s in range(n_seeds)]
     cells += [Cell(scen, m, s, tuple(SCENARIOS[scen] + METHODS[m]))
               for s in range(n_seeds) for scen in scenarios for m in methods]
+    cells += [Cell("bf16_route_r3", m, s, tuple(SCENARIOS["bf16_route_r3"] + METHODS[m]))
+              for s in range(n_seeds) for m in (R3_METHODS[:1] if quick else R3_METHODS)]
     notes = ["mis stands for mis/icepop (the same token band test, (0.5, 2))",
              "on-policy reference: exact (fp32 generator) x none (grpo)",
              f"bf16_route: bf16 + router-logit noise std {ROUTER_NOISE} (rollout.router_noise)",
+             "bf16_route_r3: the same generator, trainer replaying its experts (R3)",
              (f"truncation bias: starting model, bf16 + router noise {ROUTER_NOISE}, "
               f"pi_old bins {BIN_EDGES}")]
     return Experiment("cis", QUESTION, base, cells, ("exact", "none"), notes)

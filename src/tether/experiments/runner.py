@@ -180,7 +180,17 @@ def run_experiment(exp: Experiment, out: str | Path, workers: int = 2,
     todo = [c for c in exp.cells if not is_done(out, c)]
     log(f"{exp.name}: {len(exp.cells)} cells, {len(exp.cells) - len(todo)} done, "
         f"{len(todo)} to run on {min(workers, max(len(todo), 1))} worker(s)")
-    jobs = [(exp.base + list(c.overrides) + [f"model.path={start_model}", f"run.seed={c.seed}"],
+    # A cell with its own model.* keys (vespo's MoE rows: model.moe=true) starts from
+    # tether's default model for them, built once here, not from `model_path`.
+    starts = {(): start_model}
+
+    def start_of(cell: Cell) -> str:
+        key = tuple(o for o in cell.overrides if o.startswith("model."))
+        if key not in starts:
+            starts[key] = resolve_start_model(exp.base + list(key), None)
+        return starts[key]
+
+    jobs = [(exp.base + list(c.overrides) + [f"model.path={start_of(c)}", f"run.seed={c.seed}"],
              str(cell_dir(out, c))) for c in todo]
     t0 = time.perf_counter()
     failed = {}

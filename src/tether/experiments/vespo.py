@@ -4,7 +4,10 @@ Matrix: staleness N in {1, 4, 8, 16, 32, 64} (`train.minibatches=N`: one rollout
 32 x 8 = 256 responses, N sequential optimizer steps on disjoint slices, so the i-th
 slice is trained i versions after it was sampled) x {grpo, gspo, sapo, vespo} plus
 vespo with length normalisation of log W by T and by sqrt(T), on the dense tiny model.
-The reference (for the deviation columns) is N = 1 x grpo.
+The reference (for the deviation columns) is N = 1 x grpo. Routing replay R2 rows: on
+the MoE tiny model (`model.moe=true`, its own warm start), N in {8, 32} x {grpo, vespo},
+each without and with `train.routing_replay=r2` (the experts of the logp_old forward
+replayed in the N stale logp forwards), scenario `moe_N<n>`.
 
 What it simplifies: one seed by default and 30 steps (36 cells must fit 60 minutes on 2
 cores); lr 1e-4 per optimizer step, so a larger N also means more, smaller steps per
@@ -29,24 +32,33 @@ METHODS = {
 }
 
 
+R2_METHODS = ("grpo", "vespo")  # on the MoE model, each without and with routing replay R2
+
+
 def build(quick: bool = False, seeds: int | None = None) -> Experiment:
     if quick:
-        ns, methods, n_seeds = (1, 4), ["grpo", "vespo"], seeds or 1
+        # (no MoE rows: their own warm start would dominate a quick run)
+        ns, methods, n_seeds, moe_ns = (1, 4), ["grpo", "vespo"], seeds or 1, ()
         base = TASK + ["model.warmstart_steps=120", "train.steps=4", "train.lr=1e-4",
                        "rollout.prompts_per_step=8", "rollout.group_size=4",
                        "rollout.max_new_tokens=12", "task.eval_size=16", "eval.every=0",
                        "eval.samples=0", "diagnostics.monitor_every=0",
                        "run.checkpoint_every=0"]
     else:
-        ns, methods, n_seeds = (1, 4, 8, 16, 32, 64), list(METHODS), seeds or 1
+        ns, methods, n_seeds, moe_ns = (1, 4, 8, 16, 32, 64), list(METHODS), seeds or 1, (8, 32)
         base = TASK + ["model.warmstart_steps=200", "train.steps=30", "train.lr=1e-4",
                        "rollout.prompts_per_step=32", "rollout.group_size=8",
                        "rollout.max_new_tokens=12", "eval.every=10", "eval.samples=0",
                        "diagnostics.monitor_every=10", "run.checkpoint_every=10"]
     cells = [Cell(f"N{n}", m, seed, tuple([f"train.minibatches={n}"] + METHODS[m]))
              for seed in range(n_seeds) for n in ns for m in methods]
+    cells += [Cell(f"moe_N{n}", m + suffix, seed,
+                   (f"train.minibatches={n}", "model.moe=true", *METHODS[m], *replay))
+              for seed in range(n_seeds) for n in moe_ns for m in R2_METHODS
+              for suffix, replay in (("", []), ("_r2", ["train.routing_replay=r2"]))]
     notes = ["staleness N = train.minibatches on one rollout batch",
-             "reference for deviations: N1 x grpo"]
+             "reference for deviations: N1 x grpo",
+             "moe_N<n>: the MoE tiny model; <method>_r2 replays the logp_old forward's experts"]
     return Experiment("vespo", QUESTION, base, cells, ("N1", "grpo"), notes)
 
 

@@ -46,7 +46,7 @@ def train_async(cfg: Config, resume: bool = False) -> RunResult:
     state = RunState(trainer, sched)  # a checkpoint holds the ledger's length and what to re-issue
     start, log = run.start(state, resume)
     diagnose = Diagnostics(cfg.diagnostics, model, run.sampling, run.probe, tokenizer.eos_token_id,
-                           tokenizer.pad_token_id, cfg.train.micro_batch)
+                           tokenizer.pad_token_id, cfg.train.micro_batch, cfg.train.routing_replay)
     mirror = _Mirror(run, snapshots)  # the generator's numerics in this process, for diagnostics
     workers = [ctx.Process(target=worker_main, daemon=True, name=f"tether-rollout-{i}",
                            args=(i, cfg, str(run.model_path), os.getpid(), tasks, results,
@@ -82,7 +82,7 @@ def train_async(cfg: Config, resume: bool = False) -> RunResult:
                 continue
 
             # 3. Score old log-probs at the weights that sampled each token (kept snapshots).
-            logp_old, topk_logp_old = score_old(trainer, batch, model_at)
+            logp_old, topk_logp_old, batch = score_old(trainer, batch, model_at)
             t2 = time.perf_counter()
 
             # 4. ESS policy with on_trip=regenerate: a batch too stale to learn from is dropped

@@ -35,7 +35,7 @@ def train_sync(cfg: Config, resume: bool = False) -> RunResult:
     state = RunState(trainer, sync)  # what a checkpoint holds (tether.checkpoint)
     start, log = run.start(state, resume)
     diagnose = Diagnostics(cfg.diagnostics, model, run.sampling, run.probe, tokenizer.eos_token_id,
-                           tokenizer.pad_token_id, cfg.train.micro_batch)
+                           tokenizer.pad_token_id, cfg.train.micro_batch, cfg.train.routing_replay)
     hf_generator = getattr(generator, "model", None)  # vLLM's weights live in its engine
 
     def model_at(v: int):  # the fp32 weights of version v: the trainer's own when current
@@ -61,7 +61,7 @@ def train_sync(cfg: Config, resume: bool = False) -> RunResult:
         t1 = time.perf_counter()
 
         # 2. Score old log-probs at the weights that sampled each token (kept snapshots).
-        logp_old, topk_logp_old = score_old(trainer, batch, model_at)
+        logp_old, topk_logp_old, batch = score_old(trainer, batch, model_at)
         t2 = time.perf_counter()
 
         # 3. Staleness check (ess policy, on_trip=regenerate): a batch whose ESS at the current
@@ -70,7 +70,7 @@ def train_sync(cfg: Config, resume: bool = False) -> RunResult:
                       lambda b=batch: trainer.score_old(b, model)[0]):
             sync.resync(trainer.version, model.state_dict())
             rollouts, batch = sample(step)
-            logp_old, topk_logp_old = score_old(trainer, batch, model_at)
+            logp_old, topk_logp_old, batch = score_old(trainer, batch, model_at)
         t3 = time.perf_counter()
 
         # 4. Loss and optimizer step(s) at the current weights.

@@ -4,7 +4,9 @@ The engine holds its own copy of the weights, cast to the generator's numerics
 (`tether.rollout.numerics`), so the trainer's fp32 model and the generator can
 disagree exactly as a bf16 or fp8 inference engine would. Each sampled token's
 log-prob is taken from the processed distribution it was drawn from: logits / T,
-then top-k, then top-p, then renormalised (`process_logits`).
+then top-k, then top-p, then renormalised (`process_logits`). With `record_routes`
+(routing replay R3), each rollout also carries the experts the generator's routers chose
+at every position it forwarded (`Rollout.routed_experts`, tether.models.routing).
 """
 
 from __future__ import annotations
@@ -16,7 +18,8 @@ import torch
 from transformers import DynamicCache, PreTrainedModel
 
 from tether.errors import InputError
-from tether.rollout.numerics import add_router_noise, apply_numerics
+from tether.models.routing import add_router_noise, route
+from tether.rollout.numerics import apply_numerics
 from tether.rollout.types import Rollout, SamplingParams
 
 
@@ -48,10 +51,11 @@ class HFGenerator:
     engine = "hf"
 
     def __init__(self, model: PreTrainedModel, eos_id: int, pad_id: int, precision: str = "fp32",
-                 router_noise: float = 0.0):
+                 router_noise: float = 0.0, record_routes: bool = False):
         self.model = copy.deepcopy(model).eval()
         self.eos_id, self.pad_id = eos_id, pad_id
         self.precision = precision
+        self.record_routes = record_routes
         self.version = 0
         self.load_weights(model.state_dict(), version=0)
         # Router noise draws from its own generator, reseeded with every batch, so a
@@ -87,11 +91,22 @@ class HFGenerator:
             step_versions.append(self.version)
             return changed
 
-        out = sample_tokens(self.model, rows, sampling, g, self.eos_id, self.pad_id,
-                            before_step if refresh is not None else None)
+        with route(self.model, record=self.record_routes) as routes:
+            columns: list[torch.Tensor] = []  # (B, S_new, layers, k) per forward
+
+            def after_forward(shape: tuple[int, int], new: int) -> None:
+                if routes is not None:
+                    columns.append(routes.pop(shape)[:, -new:])
+
+            out = sample_tokens(self.model, rows, sampling, g, self.eos_id, self.pad_id,
+                                before_step if refresh is not None else None, after_forward)
+        L = max(len(p) for p in rows)
+        experts = torch.cat(columns, dim=1) if columns else None  # (B, L + steps, layers, k)
         rollouts = []
         for i, (ids, logps, topk_ids, topk_logp, finish) in enumerate(out):
             versions = step_versions[:len(ids)]
+            # Positions the generator forwarded: the prompt, and the response but its last token.
+            routed = None if experts is None else experts[i, L - len(rows[i]):L + len(ids) - 1].numpy()
             rollouts.append(
                 Rollout(
                     prompt_id=prompt_ids[i // n],
@@ -106,6 +121,7 @@ class HFGenerator:
                     topk_ids=topk_ids,
                     topk_logp=topk_logp,
                     token_versions=versions if len(set(versions)) > 1 else None,
+                    routed_experts=routed,
                 )
             )
         return rollouts
@@ -119,6 +135,7 @@ def sample_tokens(
     eos_id: int,
     pad_id: int,
     before_step: Callable[[], bool] | None = None,
+    after_forward: Callable[[tuple[int, int], int], None] | None = None,
 ) -> list[tuple[list[int], list[float], list[list[int]] | None, list[list[float]] | None, str]]:
     """Sample one continuation per prompt (temperature 0: greedy), batched, with a KV cache.
 
@@ -126,6 +143,9 @@ def sample_tokens(
     `before_step()` runs before each decode step; True means the model's weights changed,
     and the KV cache is recomputed over every row's prefix with the new weights, so each
     later token is drawn from the new version's distribution over its whole prefix.
+    `after_forward((B, S), new)` runs after each forward over S positions, of which the
+    last `new` are positions no earlier forward sampled from (the prompt at the prefill,
+    then one per step; a recomputed prefix keeps what it had when it was sampled).
     Returns per row: token ids, their log-probs, optional top-K ids and log-probs,
     and the finish reason.
     """
@@ -140,7 +160,7 @@ def sample_tokens(
     done = torch.zeros(B, dtype=torch.bool)
     tokens, logps, tk_ids, tk_logp = [], [], [], []
     step_ids, _step_attn = input_ids, attn
-    for _ in range(sampling.max_new_tokens):
+    for step in range(sampling.max_new_tokens):
         if before_step is not None and before_step() and tokens:
             cache = DynamicCache()  # weights changed: prefill the prefixes again
             step_ids = torch.cat([input_ids, torch.stack(tokens, 1)], dim=1)
@@ -149,6 +169,8 @@ def sample_tokens(
             input_ids=step_ids, attention_mask=attn, position_ids=position_ids,
             past_key_values=cache, use_cache=True,
         ).logits[:, -1, :]  # (B, V)
+        if after_forward is not None:
+            after_forward(tuple(step_ids.shape), L if step == 0 else 1)
         logp_all = process_logits(logits, sampling.temperature, sampling.top_k, sampling.top_p)
         if sampling.temperature > 0:
             nxt = torch.multinomial(logp_all.exp(), 1, generator=g).squeeze(-1)

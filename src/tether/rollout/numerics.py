@@ -16,7 +16,8 @@ Router noise (`rollout.router_noise=s`, MoE only): the generator adds N(0, s^2) 
 router logit before its top-k, so some tokens go to other experts than in the trainer at
 equal weights. A stand-in for a large MoE's engine-to-engine routing disagreement (R3,
 arXiv 2510.11370: about 10% of router decisions differ between vLLM and Megatron),
-which the tiny model's bf16 router (under 1%) is far from.
+which the tiny model's bf16 router (under 1%) is far from. The noise is applied by
+`tether.models.routing.add_router_noise`, the router patch routing replay also uses.
 """
 
 from __future__ import annotations
@@ -54,32 +55,6 @@ def fp8_targets(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
             if isinstance(p, nn.Parameter) and p.dim() == 3:
                 targets.append((f"{mod_name}.{pname}", p))
     return targets
-
-
-def add_router_noise(model: nn.Module, std: float, generator: torch.Generator) -> int:
-    """Perturb every Qwen3-MoE router's logits by N(0, std^2) before its top-k; returns the count.
-
-    Each router's forward is replaced by one that adds the noise to its logits and re-does
-    the top-k on them (softmax, top_k, optional renormalisation, as `Qwen3MoeTopKRouter`),
-    so hooks that record router logits see the routing actually used. Noise comes from
-    `generator`.
-    """
-    def noisy(router: nn.Module, clean_forward):
-        def forward(hidden_states: torch.Tensor):
-            logits = clean_forward(hidden_states)[0]
-            noise = torch.randn(logits.shape, generator=generator, dtype=torch.float32)
-            logits = logits + (noise * std).to(logits.dtype)
-            top, idx = torch.topk(torch.softmax(logits, dtype=torch.float, dim=-1), router.top_k, dim=-1)
-            if router.norm_topk_prob:
-                top = top / top.sum(dim=-1, keepdim=True)
-            return logits, top.to(logits.dtype), idx
-        return forward
-
-    routers = [m for name, m in model.named_modules()
-               if name.endswith("mlp.gate") and hasattr(m, "top_k") and hasattr(m, "norm_topk_prob")]
-    for router in routers:
-        router.forward = noisy(router, router.forward)
-    return len(routers)
 
 
 @torch.no_grad()

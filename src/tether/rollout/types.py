@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Protocol
 
+import numpy as np
 import torch
 
 from tether.defaults import GROUP_SIZE, MAX_NEW_TOKENS, TEMPERATURE
@@ -46,6 +47,10 @@ class Rollout:
     # Partial rollouts: the version that sampled each token, when weights changed mid-response
     # (None: every token at `version`).
     token_versions: list[int] | None = None
+    # Routing replay R3 (MoE): the experts the generator's routers chose at each position it
+    # forwarded, prompt then response but its last token: (len(prompt_ids) + len(response_ids)
+    # - 1, MoE layers, top-k), uint8 (int16 beyond 256 experts); tether.models.routing.
+    routed_experts: np.ndarray | None = None
     reward: float | None = None  # filled in by the task
     reward_parts: dict[str, float] = field(default_factory=dict)
 

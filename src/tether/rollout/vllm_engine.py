@@ -34,9 +34,11 @@ import time
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from tether.errors import InputError, MissingPackageError
+from tether.models.routing import routers, routes_dtype
 from tether.rollout.types import Rollout, SamplingParams
 
 # tether precision name -> (vLLM dtype, vLLM quantization)
@@ -55,6 +57,13 @@ INSTALL_HINT = (
 )
 
 FINISH_REASONS = ("stop", "length")
+
+NO_ROUTES_HINT = (
+    "train.routing_replay=r3 with rollout.engine=vllm needs the engine to return the experts "
+    "it routed each token to, which vLLM does only from its Model Runner V2 (CUDA builds "
+    "with Triton); this vLLM cannot. Use rollout.engine=hf, or train.routing_replay=r2, "
+    "which needs no engine support"
+)
 
 
 def vllm_available() -> bool:
@@ -85,6 +94,7 @@ class VLLMGenerator:
         seed: int = 0,
         version: int = 0,
         engine_kwargs: dict[str, Any] | None = None,
+        record_routes: bool = False,
     ) -> None:
         """Start the engine on the HF model directory `model_path` (config.json, *.safetensors).
 
@@ -105,6 +115,9 @@ class VLLMGenerator:
         seed: the engine's global seed; each `generate` call seeds its requests itself.
         version: the weight version the checkpoint at `model_path` holds.
         engine_kwargs: any further `vllm.LLM` arguments, passed through unchanged.
+        record_routes: MoE routing replay R3: the engine returns the experts it routed each
+            position to (vLLM's `enable_return_routed_experts`), kept in
+            `Rollout.routed_experts`; an engine that returns none raises at `generate`.
         """
         if precision not in PRECISIONS:
             raise ValueError(f"precision={precision!r} is not one of {sorted(PRECISIONS)}")
@@ -126,6 +139,13 @@ class VLLMGenerator:
             max_model_len = int(config["max_position_embeddings"])
         self.checkpoint_names = _checkpoint_names(model_path)
         self._skeleton = _meta_model(model_path)  # maps trainer names to checkpoint names
+        # R3: vLLM returns every decoder layer; tether replays its MoE layers'.
+        self.moe_layers = [i for i, _ in routers(self._skeleton)] if record_routes else None
+        if record_routes and not self.moe_layers:
+            raise ValueError(f"record_routes: {type(self._skeleton).__name__} has no MoE layers")
+        cfg = self._skeleton.config
+        experts = getattr(cfg, "num_experts", 0) or getattr(cfg, "num_local_experts", 0)
+        self.routes_dtype = str(routes_dtype(experts)).removeprefix("torch.")  # numpy name
 
         # In-process engine: must be set before vLLM builds its executor.
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
@@ -136,7 +156,7 @@ class VLLMGenerator:
 
         dtype, quantization = PRECISIONS[precision]
         if quantization == "fp8" and not current_platform.supports_fp8():
-            raise ValueError(
+            raise InputError(
                 f"precision='fp8' needs vLLM fp8 kernels, which the {current_platform.device_name}"
                 " platform does not have (vLLM's fp8 weight quantization runs on CUDA GPUs of "
                 "compute capability >= 8.9, and on ROCm). Use precision='bf16' here, or the "
@@ -165,6 +185,8 @@ class VLLMGenerator:
             "seed": seed,
             "disable_log_stats": True,
         }
+        if record_routes:
+            kwargs["enable_return_routed_experts"] = True
         kwargs.update(engine_kwargs or {})
         # vLLM's CPU worker replaces torch.set_num_threads with a no-op for the whole
         # process; the trainer shares this process, so put it back afterwards.
@@ -172,6 +194,10 @@ class VLLMGenerator:
         try:
             with _quiet_benign_vllm_warnings(), _keep_global_rng():
                 self.llm = LLM(**kwargs)
+        except ValueError as e:  # vLLM's config refuses routed-expert capture here
+            if record_routes and ("AuxOutput" in str(e) or "Model Runner V2" in str(e)):
+                raise InputError(f"{NO_ROUTES_HINT} (vLLM: {_first_error(e)})") from None
+            raise
         finally:
             torch.set_num_threads = set_num_threads
             torch.set_num_threads(num_threads)
@@ -261,7 +287,20 @@ class VLLMGenerator:
             finish_reason=sample.finish_reason,
             topk_ids=topk_ids,
             topk_logp=topk_logp,
+            routed_experts=self._routes(prompt_id, len(prompt) + len(response) - 1, sample),
         )
+
+    def _routes(self, prompt_id: str, positions: int, sample: Any) -> np.ndarray | None:
+        """The routed experts of the first `positions` positions, MoE layers only (R3)."""
+        if self.moe_layers is None:
+            return None
+        routed = getattr(sample, "routed_experts", None)
+        if routed is None or routed.shape[0] < positions:
+            raise RuntimeError(
+                f"vLLM returned {'no' if routed is None else routed.shape[0]} routed-expert "
+                f"rows for prompt {prompt_id!r} ({positions} needed). {NO_ROUTES_HINT}"
+            )
+        return np.asarray(routed)[:positions, self.moe_layers].astype(self.routes_dtype)
 
     def _check_prompt(self, prompt_id: str, ids: list[int], max_new_tokens: int) -> None:
         if not ids:
@@ -319,6 +358,13 @@ class VLLMGenerator:
         self.llm = None
         gc.collect()
         cleanup_dist_env_and_memory()
+
+
+def _first_error(e: Exception) -> str:
+    """The message of a (pydantic) error without its type/url lines."""
+    lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
+    msg = next((ln for ln in lines if "error," in ln), lines[-1] if lines else "")
+    return msg.split(" [type=")[0]
 
 
 def _repack_cpu_moe_experts(worker) -> int:
