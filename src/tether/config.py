@@ -7,6 +7,7 @@ A wrong key or value fails at load, before any work, with its dotted path in the
 from __future__ import annotations
 
 import difflib
+import importlib.util
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -174,6 +175,26 @@ class LoopConfig(_Node):
     worker_threads: int = Field(
         1, ge=1, description="async: torch CPU threads in each rollout worker.",
     )
+    backend: Literal["local", "ray"] = Field(
+        "local",
+        description="async: where rollout workers run. local: processes on this machine, "
+        "weights through shared memory. ray: one Ray actor per worker, on this machine or a "
+        "cluster, weights through the Ray object store; a worker that dies is replaced and its "
+        "prompts issued again (pip install -e '.[ray]'). See docs/distributed.md.",
+    )
+    ray_address: str | None = Field(
+        None,
+        description="backend=ray: the cluster to join ('auto': the one this machine belongs "
+        "to, after `ray start`; or 'host:port'). None: start a local Ray with this machine's CPUs.",
+    )
+    worker_cpus: float = Field(
+        1.0, gt=0.0, description="backend=ray: CPUs Ray reserves for each rollout worker actor.",
+    )
+    worker_gpus: float = Field(
+        0.0, ge=0.0,
+        description="backend=ray: GPUs Ray reserves for each rollout worker actor (fractions "
+        "share a GPU; 0: CPU engines).",
+    )
 
 
 class DiagnosticsConfig(_Node):
@@ -285,6 +306,13 @@ class Config(_Node):
         if self.loop.partial and self.loop.mode != "async":
             raise ValueError("loop.partial=true needs loop.mode=async (weights change mid-batch "
                              "only while generation and training overlap)")
+        if self.loop.backend == "ray" and self.loop.mode != "async":
+            raise ValueError("loop.backend=ray places the asynchronous loop's rollout workers: "
+                             "set loop.mode=async (the synchronous loop has no workers)")
+        if self.loop.backend == "ray" and self.loop.partial:
+            raise ValueError("loop.partial=true with loop.backend=ray: a Ray actor loads new "
+                             "weights between batches only; use loop.backend=local for partial "
+                             "rollouts, or loop.partial=false")
         if self.loop.partial and self.rollout.engine != "hf":
             raise ValueError(
                 "loop.partial=true with rollout.engine=vllm: tether's in-process vLLM engine "
@@ -462,6 +490,9 @@ def _check_registries(cfg: Config) -> None:
             f"{cfg.sync.lag} can never bring the generator within {bound} versions; "
             f"lower sync.lag to <= {bound} or raise K"
         )
+    if cfg.loop.backend == "ray" and importlib.util.find_spec("ray") is None:
+        raise ConfigError("loop.backend=ray needs Ray, which is not installed: "
+                          "pip install -e '.[ray]' (or loop.backend=local)")
     from tether.logger import require
 
     for key, package in (("tensorboard", "tensorboard"), ("wandb", "wandb")):
