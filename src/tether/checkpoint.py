@@ -46,7 +46,7 @@ RESUME_OVERRIDABLE = (
     "train.steps", "train.max_bad_steps", "eval.", "log.", "diagnostics.", "run.progress",
     "run.threads", "run.checkpoint_every", "run.keep_checkpoints", "reward.timeout",
     "loop.workers", "loop.worker_threads", "loop.backend", "loop.ray_address", "loop.worker_cpus",
-    "loop.worker_gpus",
+    "loop.worker_gpus", "train.world_size", "train.dist_backend",
 )
 """Config keys (or sections, ending in ".") a resumed run may change. They do not change
 the trajectory; every other key does, and is refused on resume. `run.threads` can change

@@ -3,7 +3,8 @@
 Errors a user can fix (bad config, bad data, wrong model directory) print one message
 and exit with status 2, without a Python traceback (TETHER_DEBUG=1 shows it). A run
 stopped by its guard after `train.max_bad_steps` bad steps in a row exits with 3; one
-stopped by SIGINT/SIGTERM finishes its step, checkpoints and exits with 128 + signal.
+stopped by SIGINT/SIGTERM finishes its step, checkpoints and exits with 128 + signal; one
+whose data-parallel trainer rank died exits with 4 (after a checkpoint, docs/distributed.md).
 """
 
 from __future__ import annotations
@@ -240,6 +241,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from tether.distributed import RankFailed
     from tether.guards import StopRequested, TooManyBadSteps
 
     args = build_parser().parse_args(argv)
@@ -256,6 +258,9 @@ def main(argv: list[str] | None = None) -> int:
     except StopRequested as e:
         print(f"tether {args.command}: {e}", file=sys.stderr)
         return 128 + e.signum
+    except RankFailed as e:
+        print(f"tether {args.command}: {e}", file=sys.stderr)
+        return 4
 
 
 if __name__ == "__main__":

@@ -125,6 +125,17 @@ class TrainConfig(_Node):
         description="Stop the run (with a checkpoint, exit code 3) after this many optimizer steps "
         "in a row were skipped for a non-finite log-prob, advantage, loss or gradient norm.",
     )
+    world_size: int = Field(
+        1, ge=1,
+        description="Data-parallel trainer ranks (processes on this machine, torch.distributed): "
+        "each trains on its shard of every mini-batch, with the whole mini-batch's loss and "
+        "gradient under the estimator's aggregation. Synchronous loop. See docs/distributed.md.",
+    )
+    dist_backend: Literal["auto", "gloo", "nccl"] = Field(
+        "auto",
+        description="world_size > 1: torch.distributed backend. auto: nccl when the trainer's "
+        "weights are on a GPU, else gloo.",
+    )
 
 
 class SyncConfig(_Node):
@@ -296,6 +307,17 @@ class Config(_Node):
             raise ValueError(
                 f"train.minibatches={self.train.minibatches} must divide the rollout batch "
                 f"(rollout.prompts_per_step * rollout.group_size = {batch})"
+            )
+        if batch // self.train.minibatches % self.train.world_size:
+            raise ValueError(
+                f"train.world_size={self.train.world_size} must divide each mini-batch "
+                f"({batch // self.train.minibatches} sequences): every rank trains an equal shard"
+            )
+        if self.train.world_size > 1 and self.loop.mode == "async":
+            raise ValueError(
+                "train.world_size > 1 with loop.mode=async: the data-parallel trainer runs in "
+                "the synchronous loop only (not yet wired into the asynchronous one); set "
+                "train.world_size=1 or loop.mode=sync"
             )
         if self.loop.mode == "async" and self.sync.lag:
             raise ValueError(

@@ -1,0 +1,144 @@
+"""The data-parallel trainer: 2 gloo ranks, each on half of every mini-batch, make the same
+update as one process on the whole batch (to 1e-6), for a token-mean preset (tis) and a
+sequence-mean one (gspo); and the mean of the ranks' own token-means would not."""
+
+from __future__ import annotations
+
+import copy
+import multiprocessing
+import threading
+import time
+
+import pytest
+import torch
+
+from tether.checkpoint import list_checkpoints, resume_config
+from tether.config import ConfigError, load_config
+from tether.distributed import RankFailed, start_ranks
+from tether.estimators import TokenBatch
+from tether.logger import read_jsonl
+from tether.loops import train
+from tether.models import load_model
+from tether.models.tokenizer import encode_exact
+from tether.rollout.hf import HFGenerator
+from tether.run import sampling_params
+from tether.tasks import build_task
+from tether.trainer import Trainer, collate, group_advantages, token_logprobs
+
+SETTINGS = ["rollout.prompts_per_step=4", "rollout.group_size=4", "rollout.max_new_tokens=12",
+            "train.micro_batch=3", "train.lr=1e-4", "run.threads=1"]
+
+
+def _batch(model, tokenizer, sampling):
+    """16 sampled responses of varied length, with a numerical mismatch (noisy logp_rollout)
+    so that tis's weights matter, and rewards that give non-zero advantages."""
+    task = build_task("countdown")
+    problems = [task.train_problem(i) for i in range(4)]
+    gen = HFGenerator(model, tokenizer.eos_token_id, tokenizer.pad_token_id, "fp32")
+    rollouts = gen.generate([encode_exact(tokenizer, p.prompt) for p in problems],
+                            [p.id for p in problems], sampling, seed=3)
+    g = torch.Generator().manual_seed(0)
+    for ro in rollouts:
+        ro.reward = float(torch.rand((), generator=g))
+    batch = collate(rollouts, tokenizer.pad_token_id)
+    lengths = batch.response_mask.sum(1)
+    assert lengths[:8].sum() != lengths[8:].sum()  # the two ranks' shards differ in tokens
+    batch.logp_rollout += 0.2 * torch.randn(batch.logp_rollout.shape, generator=g) * batch.response_mask
+    return batch
+
+
+@pytest.mark.parametrize("estimator,minibatches", [("tis", 1), ("gspo", 2)])
+def test_two_gloo_ranks_make_the_whole_batch_update(warm_model_dir, estimator, minibatches):
+    cfg = load_config("configs/countdown.yaml",
+                      [f"model.path={warm_model_dir}", f"train.estimator={estimator}",
+                       f"train.minibatches={minibatches}", "train.world_size=2", *SETTINGS])
+    sampling = sampling_params(cfg)
+    model, tokenizer = load_model(warm_model_dir)
+    batch = _batch(model, tokenizer, sampling)
+    adv = group_advantages(batch.rewards, batch.group_ids, True)
+    copy_of = {name: p.detach().clone() for name, p in model.named_parameters()}
+    reference = Trainer(copy.deepcopy(model), cfg.train, sampling)  # one process, world_size ignored
+    logp_old, _ = reference.score_old(batch, model)
+    ref_rows, ref_logp = reference.train_on(batch, adv, logp_old, None)
+
+    trainer = Trainer(model, cfg.train, sampling)
+    ranks = start_ranks(trainer, cfg, warm_model_dir)
+    try:
+        rows, logp = trainer.train_on(batch, adv, logp_old, None)
+    finally:
+        ranks.stop()
+    assert trainer.version == reference.version == minibatches
+    # The gradient (the last mini-batch's, clipped): equal up to float summation order,
+    # 1e-5 of its scale (a second mini-batch starts from weights already 1e-7 apart). The
+    # parameters after AdamW's steps: its first step is about lr * sign(g) per element, so
+    # the order noise of an element near 0 moves it by up to lr * that noise; lr = 1e-4
+    # keeps that under 1e-6 while the update is ~1e-4.
+    for (name, p), q in zip(model.named_parameters(), reference.model.parameters()):
+        assert (p.grad - q.grad).abs().max() <= 1e-5 * q.grad.abs().max(), name
+        assert torch.allclose(p, q, atol=1e-6, rtol=0), name
+        assert not torch.equal(p, copy_of[name]), name  # and it did move
+    assert torch.allclose(logp, ref_logp, atol=1e-6, rtol=0)
+    for row, ref in zip(rows, ref_rows):
+        assert row["loss/total"] == pytest.approx(ref["loss/total"], abs=1e-6)
+        assert row["train/grad_norm"] == pytest.approx(ref["train/grad_norm"], rel=1e-5)
+
+
+def test_mean_of_rank_token_means_is_not_the_batch_token_mean(warm_model_dir):
+    """Why the denominators are global: averaging each half's own token-mean gradient
+    weights the tokens of the half with fewer tokens more."""
+    cfg = load_config("configs/countdown.yaml",
+                      [f"model.path={warm_model_dir}", "train.estimator=tis", *SETTINGS])
+    sampling = sampling_params(cfg)
+    model, tokenizer = load_model(warm_model_dir)
+    batch = _batch(model, tokenizer, sampling)
+    adv = group_advantages(batch.rewards, batch.group_ids, True)
+    estimator = Trainer(model, cfg.train, sampling).estimator
+
+    def grad(rows: slice) -> torch.Tensor:
+        model.zero_grad()
+        part = batch.select(rows)
+        logp, _ = token_logprobs(model, part, sampling)
+        estimator(TokenBatch(logp=logp, logp_old=logp.detach(), logp_rollout=part.logp_rollout,
+                             advantages=adv[rows], mask=part.response_mask)).loss.backward()
+        return torch.cat([p.grad.reshape(-1).clone() for p in model.parameters()])
+
+    whole = grad(slice(0, 16))
+    averaged = (grad(slice(0, 8)) + grad(slice(8, 16))) / 2
+    assert (whole - averaged).abs().max() > 1e-4
+
+
+def test_config_refuses_shards_that_do_not_divide():
+    with pytest.raises(ConfigError, match="train.world_size"):
+        load_config("configs/countdown.yaml", ["rollout.prompts_per_step=3",
+                                               "rollout.group_size=3", "train.world_size=2"])
+    with pytest.raises(ConfigError, match="train.world_size"):
+        load_config("configs/countdown.yaml", ["loop.mode=async", "train.world_size=2"])
+
+
+def test_dead_rank_stops_the_run_with_a_checkpoint_and_resume_continues(warm_model_dir,
+                                                                         tmp_path):
+    steps = 4
+    cfg = load_config("configs/countdown.yaml",
+                      [f"model.path={warm_model_dir}", f"run.dir={tmp_path}", "run.progress=false",
+                       "train.world_size=2", f"train.steps={steps}", "task.eval_size=16",
+                       "eval.every=0", "eval.samples=0", "diagnostics.monitor_every=0",
+                       "run.checkpoint_every=100", *SETTINGS])
+    metrics = tmp_path / "metrics.jsonl"
+
+    def kill_rank_1_after_step_2():
+        while not (metrics.exists() and len(read_jsonl(metrics)) >= 3):  # step 0 (eval), 1, 2
+            time.sleep(0.05)
+        rank = next(p for p in multiprocessing.active_children() if p.name == "tether-rank-1")
+        rank.kill()
+
+    killer = threading.Thread(target=kill_rank_1_after_step_2, daemon=True)
+    killer.start()
+    with pytest.raises(RankFailed, match="trainer rank 1 .* died") as failure:
+        train(cfg)
+    killer.join()
+    assert failure.value.intact and "--resume" in str(failure.value)
+    (step, _), = list_checkpoints(tmp_path)  # the only checkpoint: the one saved at the fault
+    assert 2 <= step < steps
+    train(resume_config(tmp_path), resume=True)  # a fresh rank 1; the run completes
+    rows = read_jsonl(metrics)
+    assert [r["step"] for r in rows] == list(range(steps + 1))
