@@ -16,6 +16,7 @@ from tether.checkpoint import list_checkpoints, resume_config
 from tether.config import ConfigError, load_config
 from tether.distributed import RankFailed, start_ranks
 from tether.estimators import TokenBatch
+from tether.ledger import audit
 from tether.logger import read_jsonl
 from tether.loops import train
 from tether.models import load_model
@@ -111,8 +112,20 @@ def test_config_refuses_shards_that_do_not_divide():
     with pytest.raises(ConfigError, match="train.world_size"):
         load_config("configs/countdown.yaml", ["rollout.prompts_per_step=3",
                                                "rollout.group_size=3", "train.world_size=2"])
-    with pytest.raises(ConfigError, match="train.world_size"):
-        load_config("configs/countdown.yaml", ["loop.mode=async", "train.world_size=2"])
+
+
+def test_async_loop_with_two_ranks_accounts_for_every_prompt(warm_model_dir, tmp_path):
+    steps = 3
+    cfg = load_config("configs/countdown.yaml",
+                      [f"model.path={warm_model_dir}", f"run.dir={tmp_path}", "run.progress=false",
+                       "train.world_size=2", f"train.steps={steps}", "task.eval_size=16",
+                       "eval.every=0", "eval.samples=0", "diagnostics.monitor_every=0",
+                       "loop.mode=async", *SETTINGS])
+    train(cfg)
+    a = audit(tmp_path / "ledger.jsonl")
+    assert a.ok and a.open == [] and a.trained == steps * 4, a.problems
+    rows = read_jsonl(tmp_path / "metrics.jsonl")[1:]
+    assert rows[-1]["version"] == steps and all(r["guard/skipped"] == 0 for r in rows)
 
 
 def test_dead_rank_stops_the_run_with_a_checkpoint_and_resume_continues(warm_model_dir,

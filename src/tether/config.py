@@ -129,7 +129,7 @@ class TrainConfig(_Node):
         1, ge=1,
         description="Data-parallel trainer ranks (processes on this machine, torch.distributed): "
         "each trains on its shard of every mini-batch, with the whole mini-batch's loss and "
-        "gradient under the estimator's aggregation. Synchronous loop. See docs/distributed.md.",
+        "gradient under the estimator's aggregation. See docs/distributed.md.",
     )
     dist_backend: Literal["auto", "gloo", "nccl"] = Field(
         "auto",
@@ -312,12 +312,6 @@ class Config(_Node):
             raise ValueError(
                 f"train.world_size={self.train.world_size} must divide each mini-batch "
                 f"({batch // self.train.minibatches} sequences): every rank trains an equal shard"
-            )
-        if self.train.world_size > 1 and self.loop.mode == "async":
-            raise ValueError(
-                "train.world_size > 1 with loop.mode=async: the data-parallel trainer runs in "
-                "the synchronous loop only (not yet wired into the asynchronous one); set "
-                "train.world_size=1 or loop.mode=sync"
             )
         if self.loop.mode == "async" and self.sync.lag:
             raise ValueError(

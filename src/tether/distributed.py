@@ -137,6 +137,7 @@ class TrainerRanks:
                       for r in range(1, W)]
         for p in self.procs:
             p.start()
+        self.closed = False
         dist.init_process_group(backend, init_method=init, rank=0, world_size=W, timeout=TIMEOUT)
         state = trainer.state_dict()
         for q in self.queues:
@@ -168,6 +169,7 @@ class TrainerRanks:
 
     def abort(self) -> None:
         """End the surviving ranks and leave the process group (a resume starts anew)."""
+        self.closed = True
         for p in self.procs:
             if p.is_alive():
                 p.kill()
@@ -175,6 +177,10 @@ class TrainerRanks:
         dist.destroy_process_group()
 
     def stop(self) -> None:
+        """End the other ranks after their step; leave the process group (once)."""
+        if self.closed:
+            return
+        self.closed = True
         for q in self.queues:
             q.put(None)
         for p in self.procs:

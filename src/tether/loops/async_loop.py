@@ -19,6 +19,7 @@ from tqdm import tqdm
 
 from tether.checkpoint import RunState, checkpoint_due, save_checkpoint
 from tether.config import Config
+from tether.distributed import RankFailed, start_ranks
 from tether.guards import STOP
 from tether.ledger import Ledger
 from tether.logger import read_jsonl
@@ -43,6 +44,7 @@ def train_async(cfg: Config, resume: bool = False) -> RunResult:
     sched = Scheduler(cfg, policy, backend, snapshots, ledger, run.sampling_seed)
     state = RunState(trainer, sched)  # a checkpoint holds the ledger's length and what to re-issue
     start, log = run.start(state, resume)
+    ranks = start_ranks(trainer, cfg, run.model_path)  # train.world_size > 1: ranks 1..N-1
     diagnose = Diagnostics(cfg.diagnostics, model, run.sampling, run.probe, tokenizer.eos_token_id,
                            tokenizer.pad_token_id, cfg.train.micro_batch)
     mirror = _Mirror(run, snapshots)  # the generator's numerics in this process, for diagnostics
@@ -89,9 +91,15 @@ def train_async(cfg: Config, resume: bool = False) -> RunResult:
                     continue
                 ess_row = {"sync/ess/token": ess, "sync/tripped": 0.0}
 
-            # 5. Loss and optimizer step(s) at the current weights.
-            out = train_step(trainer, batch, result.rollouts, logp_old, topk_logp_old,
-                             cfg.train.adv_std_norm)
+            # 5. Loss and optimizer step(s) at the current weights (data-parallel: on every
+            #    rank). A rank that died stops the run: what is in flight is dropped, and the
+            #    weights after `step` steps are checkpointed.
+            try:
+                out = train_step(trainer, batch, result.rollouts, logp_old, topk_logp_old,
+                                 cfg.train.adv_std_norm)
+            except RankFailed as e:
+                sched.stop()
+                raise e.checkpointed(run.run_dir, step, state, cfg.run.keep_checkpoints) from None
             tripped = False
             if policy.measures_ess and not ess_row:  # on_trip=train: off the training forward
                 ess = trained_ess(out.logp, logp_old, batch.response_mask, cfg.train.minibatches,
@@ -150,6 +158,8 @@ def train_async(cfg: Config, resume: bool = False) -> RunResult:
                 raise stop
     finally:
         backend.stop()
+        if ranks is not None:
+            ranks.stop()
         ledger.close()
     after = run.evaluate() if start == cfg.train.steps else row
     log.close()
