@@ -65,16 +65,18 @@ class RolloutActor:
             self.offered = (version, ref)
 
     def make(self, item: WorkItem) -> BatchResult:
+        """Load the newest version offered (if newer than the engine's), then the batch."""
         generator = self.engine.generator
         if self.offered is not None and self.offered[0] > generator.version:
             version, layout, buffer = ray.get(self.offered[1][0])
-            with warnings.catch_warnings():  # the object store's buffer is read-only: the
+            with warnings.catch_warnings():  # the object store's buffer is read-only; the
                 warnings.simplefilter("ignore")  # engine copies it into its own weights
                 packed = PackedWeights(version, torch.from_numpy(buffer), layout)
             generator.load_weights(packed.state_dict(), version)
-        if generator.version < item.min_version:  # calls run in order: a publish precedes
-            raise RuntimeError(f"worker {self.engine.index} holds version "  # its items
-                               f"{generator.version} < the item's {item.min_version}")
+        # Calls run in order and the publish an item's min_version names preceded the item.
+        if generator.version < item.min_version:
+            raise RuntimeError(f"worker {self.engine.index} holds version {generator.version} "
+                               f"< the item's min_version {item.min_version}")
         result = self.engine.make(item, time.perf_counter() - self.idle_since)
         self.idle_since = time.perf_counter()
         return result
@@ -86,7 +88,8 @@ class RayBackend:
     def __init__(self, cfg: Config, model_path: str, run_name: str):
         self.started_ray = not ray.is_initialized()
         if self.started_ray:  # else: the caller's Ray (a test, a notebook) is used as is
-            ray.init(address=cfg.loop.ray_address, include_dashboard=False)
+            # "local": a new Ray on this machine even where `ray start` left one running.
+            ray.init(address=cfg.loop.ray_address or "local", include_dashboard=False)
         self.cfg, self.model_path = cfg, model_path
         self.run_name = run_name
         self.remote_cls = ray.remote(RolloutActor)
