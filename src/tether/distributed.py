@@ -23,6 +23,7 @@ stops with a checkpoint (docs/distributed.md).
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import time
 from datetime import timedelta
@@ -190,9 +191,17 @@ class TrainerRanks:
         dist.destroy_process_group()
 
 
-def start_ranks(trainer: Any, cfg: Config, model_path: str | Path) -> TrainerRanks | None:
+class OneRank:
+    """`train.world_size=1`: no other ranks; stopping them is nothing (keeps the loops free
+    of `if world_size > 1`)."""
+
+    def stop(self) -> None:
+        pass
+
+
+def start_ranks(trainer: Any, cfg: Config, model_path: str | Path) -> TrainerRanks | OneRank:
     """With `train.world_size` > 1, start the other ranks (the trainer is rank 0)."""
-    return TrainerRanks(trainer, cfg, model_path) if cfg.train.world_size > 1 else None
+    return TrainerRanks(trainer, cfg, model_path) if cfg.train.world_size > 1 else OneRank()
 
 
 def _rank_main(rank: int, world_size: int, backend: str, init: str, cfg: Config,
@@ -203,6 +212,7 @@ def _rank_main(rank: int, world_size: int, backend: str, init: str, cfg: Config,
     from tether.run import sampling_params
     from tether.trainer import Trainer
 
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C: rank 0 finishes the step, then stops us
     if cfg.run.threads:
         torch.set_num_threads(cfg.run.threads)
     dist.init_process_group(backend, init_method=init, rank=rank, world_size=world_size,

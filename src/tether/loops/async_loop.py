@@ -158,8 +158,7 @@ def train_async(cfg: Config, resume: bool = False) -> RunResult:
                 raise stop
     finally:
         backend.stop()
-        if ranks is not None:
-            ranks.stop()
+        ranks.stop()
         ledger.close()
     after = run.evaluate() if start == cfg.train.steps else row
     log.close()

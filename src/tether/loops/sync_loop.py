@@ -111,11 +111,11 @@ def train_sync(cfg: Config, resume: bool = False) -> RunResult:
         if stop or checkpoint_due(step + 1, cfg.run.checkpoint_every, cfg.train.steps):
             save_checkpoint(run.run_dir, step + 1, state, keep=cfg.run.keep_checkpoints)
         if stop:
+            ranks.stop()
             raise stop
 
     after = run.evaluate() if start == cfg.train.steps else row
     log.close()
     generator.close()
-    if ranks is not None:
-        ranks.stop()
+    ranks.stop()
     return run.finish(before, after, rewards)
