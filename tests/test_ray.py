@@ -4,8 +4,11 @@ handle: replaced, its prompts dropped as `worker_died` and trained on their next
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
+import subprocess
+import sys
 import threading
 import time
 
@@ -79,6 +82,20 @@ def test_killed_worker_is_replaced_and_its_prompts_reissued(local_ray, warm_mode
     trained = {e["prompt"]: e["attempt"] for e in events if e["event"] == "trained"}
     for prompt, attempt in died:  # each killed prompt was trained on a later attempt
         assert trained[prompt] > attempt
+
+
+def test_default_path_never_imports_ray():
+    code = ("import sys, tether, tether.loops.async_loop, tether.rollout.backend; "
+            "from tether.config import load_config; load_config('configs/async.yaml'); "
+            "assert 'ray' not in sys.modules, 'ray imported'")
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_missing_ray_is_named_at_load(monkeypatch):
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None if name == "ray" else real(name))
+    with pytest.raises(ConfigError, match=r"pip install -e '\.\[ray\]'"):
+        load_config("configs/ray.yaml")
 
 
 def test_config_refuses_ray_where_it_cannot_mean_anything():
