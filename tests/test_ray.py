@@ -76,6 +76,7 @@ def test_killed_worker_is_replaced_and_its_prompts_reissued(local_ray, warm_mode
     a = audit(ledger)
     assert a.ok, a.problems
     assert a.open == [] and a.trained == steps * 4  # the run finished, nothing lost
+    assert a.awaiting_reissue == []
     assert a.dropped["worker_died"] > 0 and set(a.dropped) == {"worker_died"}
     events = [json.loads(line) for line in ledger.read_text().splitlines()]
     died = {(e["prompt"], e["attempt"]) for e in events if e.get("reason") == "worker_died"}
