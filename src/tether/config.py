@@ -169,7 +169,9 @@ class LoopConfig(_Node):
         "staleness is what the race gives, bounded by max_staleness. See docs/async.md.",
     )
     workers: int = Field(
-        1, ge=1, description="async: rollout worker processes, each with its own engine.",
+        1, ge=1,
+        description="async: rollout workers (processes, or Ray actors with backend=ray), each "
+        "with its own engine.",
     )
     max_staleness: int = Field(
         1, ge=0,
