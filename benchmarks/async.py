@@ -160,7 +160,7 @@ def publish_cost(model_path: str, repeats: int = 5) -> None:
     cases = {"model": model.state_dict(), "1 GiB": {"w": torch.zeros(2**28)}}  # fp32
     import ray
 
-    ray.init(num_cpus=1, include_dashboard=False)
+    ray.init(address="local", num_cpus=1, include_dashboard=False)
 
     @ray.remote(num_cpus=0)
     def fetch(box: list) -> int:  # an actor's side: the buffer, zero-copy on its node

@@ -29,7 +29,8 @@ ASYNC = ["run.progress=false", "run.threads=1", "rollout.prompts_per_step=4",
 
 @pytest.fixture(scope="module")
 def local_ray():
-    ray.init(num_cpus=2, include_dashboard=False)
+    # "local": a new Ray even where a `ray start` cluster runs (or left its address behind)
+    ray.init(address="local", num_cpus=2, include_dashboard=False)
     yield
     ray.shutdown()
 
