@@ -8,6 +8,7 @@ BIN := $(VENV)/bin
 install: $(VENV)/.installed
 
 # torch==2.13.0 is pinned in pyproject.toml: that is the CPU wheel on this machine's disk.
+# The dev extra includes Ray (loop.backend=ray), so `make test` runs tests/test_ray.py too.
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip

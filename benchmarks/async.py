@@ -2,6 +2,8 @@
 
     python benchmarks/async.py                       # tether's demo model, HF engine
     python benchmarks/async.py --steps 30 --engines hf --json out.json
+    python benchmarks/async.py --engines hf --backends local,ray --workers 1,2   # + Ray rows
+    python benchmarks/async.py --publish-cost        # what publishing one version costs
 
 Every run trains the same model on the same Countdown prompts, with the same batch
 (prompts x group), response length, learning rate and number of steps, so the same
@@ -17,8 +19,15 @@ synchronous step split by phase; its generate share bounds what overlapping can 
 with one generator and one trainer the step cannot take less than the larger of
 generation and the rest (ideal speedup = step / max(generate, rest)).
 
-What it leaves out: several workers per side (2 cores), and vLLM's start-up (~20 s) is
-excluded like the HF worker's.
+`--backends local,ray --workers 1,2` adds async rows at eta = 2 for each backend and
+number of rollout workers (loop.backend, loop.workers; the Ray rows start a local Ray
+with this machine's CPUs, one CPU reserved per worker actor), side by side with the
+rows above. `--publish-cost` times publishing one weight version instead: packing the
+state dict, then handing it over by shared memory (local) or `ray.put` plus an actor's
+fetch (ray), for the model and for a 1 GiB buffer (the per-GB rate that scales to a
+larger model).
+
+What it leaves out: vLLM's start-up (~20 s) is excluded like the HF worker's.
 """
 
 from __future__ import annotations
@@ -42,6 +51,11 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--lr", type=float, default=1e-4, help="learning rate")
     p.add_argument("--engines", default="hf,vllm",
                    help="comma list of hf, vllm (vllm is skipped where not installed)")
+    p.add_argument("--backends", default="local",
+                   help="comma list of local, ray: async eta=2 rows per backend and worker count")
+    p.add_argument("--workers", default="1", help="comma list of rollout worker counts")
+    p.add_argument("--publish-cost", action="store_true",
+                   help="time publishing one weight version (local and ray) and exit")
     p.add_argument("--json", help="also write the table as JSON here")
     return p.parse_args()
 
@@ -78,6 +92,9 @@ def main() -> None:
     from tether.run import resolve_model_path
 
     model = args.model or str(resolve_model_path(load_config("configs/countdown.yaml")))
+    if args.publish_cost:
+        publish_cost(model)
+        return
     common = [f"model.path={model}", f"train.steps={args.steps}", f"train.lr={args.lr}",
               f"rollout.prompts_per_step={args.prompts}", f"rollout.group_size={args.group}",
               f"rollout.max_new_tokens={args.max_new_tokens}", "run.progress=false",
@@ -88,22 +105,26 @@ def main() -> None:
         if engine == "vllm" and not vllm_available():
             print("vllm: not installed, skipped (make install-vllm)")
             continue
+        grid = [(b, int(w)) for b in args.backends.split(",") for w in args.workers.split(",")]
+        eta2 = ["loop.mode=async", "loop.max_staleness=2"]
         for name, extra in [("sync", []),
                             ("async eta=1", ["loop.mode=async", "loop.max_staleness=1"]),
-                            ("async eta=2", ["loop.mode=async", "loop.max_staleness=2"])]:
+                            ("async eta=2", eta2),
+                            *[(f"{b} x{w} eta=2", [*eta2, f"loop.backend={b}", f"loop.workers={w}"])
+                              for b, w in grid if (b, w) != ("local", 1)]]:
             res = run_one(common, [f"rollout.engine={engine}", *extra])
             runs.append({"engine": engine, "run": name, **res})
-            print(f"{engine:5s} {name:12s} {res['samples_per_s']:7.1f} samples/s  "
+            print(f"{engine:5s} {name:16s} {res['samples_per_s']:7.1f} samples/s  "
                   f"acc(sampled) {res['accuracy_sampled']:.3f}  wall {res['wall_s']:.0f}s",
                   flush=True)
     print(f"\n{args.steps} steps of {args.prompts} x {args.group}, <= {args.max_new_tokens} "
           f"new tokens, lr {args.lr}, one torch thread per side, {os.cpu_count()} CPUs")
-    print(f"{'engine':6s} {'run':12s} {'samples/s':>9s} {'speedup':>7s} {'acc sampled':>11s} "
+    print(f"{'engine':6s} {'run':16s} {'samples/s':>9s} {'speedup':>7s} {'acc sampled':>11s} "
           f"{'acc greedy':>10s} {'staleness':>9s} {'trainer idle':>12s}")
     for r in runs:
         base = next(x for x in runs if x["engine"] == r["engine"] and x["run"] == "sync")
         idle = r["time/wait_data"] / r["time/step"] if r["time/step"] else 0.0
-        print(f"{r['engine']:6s} {r['run']:12s} {r['samples_per_s']:9.1f} "
+        print(f"{r['engine']:6s} {r['run']:16s} {r['samples_per_s']:9.1f} "
               f"{r['samples_per_s'] / base['samples_per_s']:6.2f}x {r['accuracy_sampled']:11.3f} "
               f"{r['accuracy_greedy']:10.3f} {r['staleness_mean']:9.2f} {idle:11.0%}")
     for r in (x for x in runs if x["run"] == "sync"):
@@ -115,6 +136,53 @@ def main() -> None:
               f"speedup with one generator and one trainer: {step / max(r['time/generate'], rest):.2f}x")
     if args.json:
         Path(args.json).write_text(json.dumps(runs, indent=1))
+
+
+def publish_cost(model_path: str, repeats: int = 5) -> None:
+    """Median seconds to publish one version: pack it (one copy into a flat buffer), then
+    shared memory (local backend) or ray.put and one actor's fetch (ray backend)."""
+    import statistics
+
+    import torch
+
+    from tether.models import load_model
+    from tether.weights.publisher import pack
+
+    def median(fn) -> float:
+        times = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+        return statistics.median(times)
+
+    model, _ = load_model(model_path)
+    cases = {"model": model.state_dict(), "1 GiB": {"w": torch.zeros(2**28)}}  # fp32
+    import ray
+
+    ray.init(address="local", num_cpus=1, include_dashboard=False)
+
+    @ray.remote(num_cpus=0)
+    def fetch(box: list) -> int:  # an actor's side: the buffer, zero-copy on its node
+        return len(ray.get(box[0])[2])
+
+    print(f"{'what':8s} {'MB':>8s} {'pack':>9s} {'local':>9s} {'ray':>9s} {'fetch':>9s}   "
+          "(local = pack + shared memory, ray = pack + ray.put, fetch = one actor's ray.get)")
+    for name, sd in cases.items():
+        mb = sum(t.numel() * t.element_size() for t in sd.values()) / 2**20
+        t_pack = median(lambda sd=sd: pack(0, sd))
+        t_local = median(lambda sd=sd: pack(0, sd).buffer.share_memory_())
+
+        def put(sd=sd):
+            packed = pack(0, sd)
+            return ray.put((0, packed.layout, packed.buffer.numpy()))
+
+        t_ray = median(put)
+        ref = put()
+        t_fetch = median(lambda r=ref: ray.get(fetch.remote([r])))
+        print(f"{name:8s} {mb:8.1f} {t_pack * 1e3:7.1f}ms {t_local * 1e3:7.1f}ms "
+              f"{t_ray * 1e3:7.1f}ms {t_fetch * 1e3:7.1f}ms", flush=True)
+    ray.shutdown()
 
 
 if __name__ == "__main__":

@@ -46,13 +46,14 @@ _STEP_DIR = re.compile(r"^step-(\d{8})$")
 RESUME_OVERRIDABLE = (
     "train.steps", "train.max_bad_steps", "eval.", "log.", "diagnostics.", "run.progress",
     "run.threads", "run.checkpoint_every", "run.keep_checkpoints", "reward.timeout",
-    "loop.workers", "loop.worker_threads",
+    "loop.workers", "loop.worker_threads", "loop.backend", "loop.ray_address", "loop.worker_cpus",
+    "loop.worker_gpus", "train.world_size", "train.dist_backend",
 )
 """Config keys (or sections, ending in ".") a resumed run may change. They do not change
 the trajectory; every other key does, and is refused on resume. `run.threads` can change
 float reduction order on some backends: keep it for a bit-identical continuation. An
 asynchronous run has no bit-identical trajectory (the race decides which weights sample
-each batch), so its number of rollout workers may change too."""
+each batch), so its number of rollout workers, and where they run, may change too."""
 
 
 class Stateful(Protocol):

@@ -6,6 +6,8 @@ it). Any other exception is a bug in tether: its traceback is printed, with a re
 report it, and the status is 1. A run stopped by its guard after `train.max_bad_steps`
 bad steps in a row exits with 3; one stopped by SIGINT/SIGTERM finishes its step,
 checkpoints and exits with 128 + signal.
+A run whose data-parallel trainer rank died exits with 4, after a checkpoint
+(docs/distributed.md).
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import traceback
 
 from tether import __version__
 from tether.config import ConfigError, dump_config, format_fields, load_config
-from tether.errors import InputError, StopRequested, TooManyBadSteps
+from tether.errors import InputError, RankFailed, StopRequested, TooManyBadSteps
 
 TRAIN_HELP = """\
 Train with RL: generate, score old log-probs, compute the loss, step, sync.
@@ -296,6 +298,9 @@ def main(argv: list[str] | None = None) -> int:
     except StopRequested as e:
         print(f"tether {args.command}: {e}", file=sys.stderr)
         return 128 + e.signum
+    except RankFailed as e:
+        print(f"tether {args.command}: {e}", file=sys.stderr)
+        return 4
     except Exception:  # noqa: BLE001 -- not the user's input: a bug, shown in full
         traceback.print_exc()
         print(f"tether {args.command}: this is a bug in tether, please report it with the "

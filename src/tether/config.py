@@ -7,6 +7,7 @@ A wrong key or value fails at load, before any work, with its dotted path in the
 from __future__ import annotations
 
 import difflib
+import importlib.util
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -222,6 +223,17 @@ class TrainConfig(_Node):
         "(routing cannot move with staleness). Gate weights always come from the trainer's "
         "router, so it still learns. MoE models only.",
     )
+    world_size: int = Field(
+        1, ge=1,
+        description="Data-parallel trainer ranks (processes on this machine, torch.distributed): "
+        "each trains on its shard of every mini-batch, with the whole mini-batch's loss and "
+        "gradient under the estimator's aggregation. See docs/distributed.md.",
+    )
+    dist_backend: Literal["auto", "gloo", "nccl"] = Field(
+        "auto",
+        description="world_size > 1: torch.distributed backend. auto: nccl when the trainer's "
+        "weights are on a GPU, else gloo.",
+    )
 
 
 class SyncConfig(_Node):
@@ -255,7 +267,9 @@ class LoopConfig(_Node):
         "staleness is what the race gives, bounded by max_staleness. See docs/async.md.",
     )
     workers: int = Field(
-        1, ge=1, description="async: rollout worker processes, each with its own engine.",
+        1, ge=1,
+        description="async: rollout workers (processes, or Ray actors with backend=ray), each "
+        "with its own engine.",
     )
     max_staleness: int = Field(
         1, ge=0,
@@ -271,6 +285,26 @@ class LoopConfig(_Node):
     )
     worker_threads: int = Field(
         1, ge=1, description="async: torch CPU threads in each rollout worker.",
+    )
+    backend: Literal["local", "ray"] = Field(
+        "local",
+        description="async: where rollout workers run. local: processes on this machine, "
+        "weights through shared memory. ray: one Ray actor per worker, on this machine or a "
+        "cluster, weights through the Ray object store; a worker that dies is replaced and its "
+        "prompts issued again (pip install -e '.[ray]'). See docs/distributed.md.",
+    )
+    ray_address: str | None = Field(
+        None,
+        description="backend=ray: the cluster to join ('auto': the one this machine belongs "
+        "to, after `ray start`; or 'host:port'). None: start a local Ray with this machine's CPUs.",
+    )
+    worker_cpus: float = Field(
+        1.0, gt=0.0, description="backend=ray: CPUs Ray reserves for each rollout worker actor.",
+    )
+    worker_gpus: float = Field(
+        0.0, ge=0.0,
+        description="backend=ray: GPUs Ray reserves for each rollout worker actor (fractions "
+        "share a GPU; 0: CPU engines).",
     )
 
 
@@ -376,6 +410,11 @@ class Config(_Node):
                 f"train.minibatches={self.train.minibatches} must divide the rollout batch "
                 f"(rollout.prompts_per_step * rollout.group_size = {batch})"
             )
+        if batch // self.train.minibatches % self.train.world_size:
+            raise ValueError(
+                f"train.world_size={self.train.world_size} must divide each mini-batch "
+                f"({batch // self.train.minibatches} sequences): every rank trains an equal shard"
+            )
         if self.loop.mode == "async" and self.sync.lag:
             raise CrossFieldError(
                 ["sync.lag", "loop.mode"],
@@ -386,6 +425,13 @@ class Config(_Node):
         if self.loop.partial and self.loop.mode != "async":
             raise CrossFieldError(["loop.partial", "loop.mode"], "loop.partial=true needs loop.mode=async (weights change mid-batch "
                              "only while generation and training overlap)")
+        if self.loop.backend == "ray" and self.loop.mode != "async":
+            raise ValueError("loop.backend=ray places the asynchronous loop's rollout workers: "
+                             "set loop.mode=async (the synchronous loop has no workers)")
+        if self.loop.backend == "ray" and self.loop.partial:
+            raise ValueError("loop.partial=true with loop.backend=ray: a Ray actor loads new "
+                             "weights between batches only; use loop.backend=local for partial "
+                             "rollouts, or loop.partial=false")
         if self.loop.partial and self.rollout.engine != "hf":
             raise CrossFieldError(
                 ["loop.partial", "rollout.engine"],
@@ -625,6 +671,9 @@ def _check_registries(cfg: Config) -> None:
             f"{cfg.sync.lag} can never bring the generator within {bound} versions; "
             f"lower sync.lag to <= {bound} or raise K"
         )
+    if cfg.loop.backend == "ray" and importlib.util.find_spec("ray") is None:
+        raise ConfigError("loop.backend=ray needs Ray, which is not installed: "
+                          "pip install -e '.[ray]' (or loop.backend=local)")
     from tether.logger import require
 
     for key, package in (("tensorboard", "tensorboard"), ("wandb", "wandb")):

@@ -16,7 +16,9 @@ may sample it with) and, for `trained`, the trainer's version when its training 
 Drop reasons: `in_flight_at_stop` (issued or generated but not trained when the run
 stopped; re-issued on resume), `ess_trip_regenerated` (its batch tripped the ESS re-sync
 with sync.on_trip=regenerate; re-issued at once), `over_staleness_bound` (would be
-trained more than loop.max_staleness versions after its weights; re-issued).
+trained more than loop.max_staleness versions after its weights; re-issued), `worker_died`
+(its rollout worker died before returning it, loop.backend=ray; the worker is replaced
+and the prompts re-issued at once).
 
 A checkpoint stores the ledger's length; resuming truncates the file to it, so the ledger
 always agrees with the weights it is resumed with. `audit` checks the whole history.
@@ -32,7 +34,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-DROP_REASONS = ("in_flight_at_stop", "ess_trip_regenerated", "over_staleness_bound")
+DROP_REASONS = ("in_flight_at_stop", "ess_trip_regenerated", "over_staleness_bound",
+                "worker_died")
 
 
 class Ledger:
@@ -86,6 +89,7 @@ class Audit:
     open: list[tuple[int, int]]  # attempts issued with no outcome yet (in flight)
     problems: list[str]  # violations: trained twice, an outcome without an issue, ...
     max_staleness: int  # over trained prompts' tokens
+    awaiting_reissue: list[tuple[int, int]]  # dropped attempts whose next was never issued
 
     @property
     def ok(self) -> bool:
@@ -93,8 +97,10 @@ class Audit:
 
 
 def audit(path: str | Path) -> Audit:
-    """Check a ledger: each attempt issued once and ended at most once, each prompt trained at
-    most once, every drop with a known reason; list attempts still open."""
+    """Check a ledger: each attempt issued once and ended at most once, attempt k issued only
+    after attempt k-1 was dropped, each prompt trained at most once, every drop with a known
+    reason; list attempts still open and drops not yet issued again (after a completed run,
+    both empty; after a stop, the drops wait for --resume)."""
     events = [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
     issued: Counter = Counter()
     ended: dict[tuple[int, int], str] = {}
@@ -108,6 +114,9 @@ def audit(path: str | Path) -> Audit:
             issued[key] += 1
             if issued[key] > 1:
                 problems.append(f"prompt {key[0]} attempt {key[1]} issued twice")
+            if key[1] > 0 and ended.get((key[0], key[1] - 1)) != "dropped":
+                problems.append(f"prompt {key[0]} attempt {key[1]} issued before attempt "
+                                f"{key[1] - 1} was dropped")
             continue
         if key not in issued:
             problems.append(f"prompt {key[0]} attempt {key[1]} {e['event']} but never issued")
@@ -123,5 +132,7 @@ def audit(path: str | Path) -> Audit:
             dropped[e["reason"]] += 1
     problems += [f"prompt {p} trained {n} times" for p, n in trained.items() if n > 1]
     still_open = sorted(k for k in issued if k not in ended)
+    awaiting = sorted((p, a) for (p, a), how in ended.items()
+                      if how == "dropped" and (p, a + 1) not in issued)
     return Audit(sum(issued.values()), sum(trained.values()), dropped, still_open, problems,
-                 max_stale)
+                 max_stale, awaiting)

@@ -20,6 +20,7 @@ from torch.utils.checkpoint import checkpoint
 from transformers import PreTrainedModel
 
 from tether.config import TrainConfig
+from tether.distributed import Shard, TrainerRanks
 from tether.estimators import LossOutput, TokenBatch, build_estimator
 from tether.guards import StepGuard, first_nonfinite
 from tether.models.routing import pad_routes, route
@@ -277,6 +278,10 @@ class Trainer:
         )
         self.version = 0
         self.guard = StepGuard(cfg.max_bad_steps)
+        # Data parallel (tether.distributed): this rank's shard and collectives; on rank 0,
+        # the other ranks, which get each batch from `train_on`. None with one process.
+        self.shard: Shard | None = None
+        self.ranks: TrainerRanks | None = None
 
     def state_dict(self) -> dict[str, Any]:
         """What a checkpoint needs: weights, optimizer moments, weight version, guard counters."""
@@ -318,15 +323,25 @@ class Trainer:
         if logp_old is None and self.cfg.minibatches != 1:
             raise ValueError("logp_old=None needs train.minibatches=1: later mini-batches "
                              "train after the weights moved")
+        if self.ranks is not None:  # rank 0: the other ranks train on the same batch
+            self.ranks.dispatch(batch, advantages, logp_old, topk_logp_old)
         B = batch.input_ids.shape[0]
         mb = B // self.cfg.minibatches
         out: list[dict[str, float]] = []
         parts: list[torch.Tensor] = []
+        version = self.version
         for start in range(0, B, mb):
-            idx = slice(start, start + mb)
-            out.append(self._step(batch.select(idx), advantages[idx],
-                                  None if logp_old is None else logp_old[idx],
-                                  None if topk_logp_old is None else topk_logp_old[idx], parts))
+            # This rank's rows of the mini-batch (all of them with one process).
+            idx = slice(start, start + mb) if self.shard is None else self.shard.rows(start, mb)
+            try:
+                out.append(self._step(batch.select(idx), advantages[idx],
+                                      None if logp_old is None else logp_old[idx],
+                                      None if topk_logp_old is None else topk_logp_old[idx],
+                                      parts))
+            except RuntimeError as e:  # rank 0: a collective failed, a rank is likely gone
+                if self.ranks is None:
+                    raise
+                self.ranks.check(intact=self.version == version, cause=e)
         out[-1].update(self.guard.counters())  # running counts: once, not averaged
         logp = torch.cat(parts) if sum(p.shape[0] for p in parts) == B else None
         return out, logp
@@ -339,28 +354,36 @@ class Trainer:
         topk_logp_old: torch.Tensor | None,
         logp_parts: list[torch.Tensor],
     ) -> dict[str, float]:
+        """One optimizer step on a mini-batch (this rank's shard of it, data-parallel)."""
         reuse = logp_old is None  # pi_old from this forward (see train_on)
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
         B = batch.input_ids.shape[0]
-        # Micro-batch losses are re-weighted so their sum equals the loss on the whole slice.
+        # Micro-batch losses are re-weighted so their sum equals the loss on the whole
+        # mini-batch; data-parallel, the denominators count every rank's rows and tokens.
         token_mean = self.estimator.params["agg"] == "token-mean"
-        n_tokens = batch.response_mask.sum().clamp(min=1)
+        n_tokens = batch.response_mask.sum()
+        if self.shard is not None:
+            n_tokens, B = self.shard.sum(n_tokens), B * self.shard.world_size
+        n_tokens = n_tokens.clamp(min=1)
         total = n_tokens if token_mean else B
         sums: dict[str, float] = {}
         loss_sum, bad = 0.0, None
-        for i in range(0, B, self.cfg.micro_batch):
+        local: list[torch.Tensor] = []
+        for i in range(0, batch.input_ids.shape[0], self.cfg.micro_batch):
             sl = slice(i, i + self.cfg.micro_batch)
             micro = batch.select(sl)
             logp, topk_logp = token_logprobs(self.model, micro, self.sampling)
-            logp_parts.append(logp.detach())
+            local.append(logp.detach())
             old = logp.detach() if reuse else logp_old[sl]
             topk_old = (None if topk_logp is None else topk_logp.detach()) if reuse else \
                 (None if topk_logp_old is None else topk_logp_old[sl])
             # Guard: a non-finite input or log-prob would poison the weights; one host sync.
-            bad = first_nonfinite({"logp_old": old, "logp_rollout": micro.logp_rollout,
-                                   "advantages": advantages[sl], "logp": logp, "topk_logp": topk_logp},
-                                  micro.response_mask)
+            checked = {"logp_rollout": micro.logp_rollout, "advantages": advantages[sl],
+                       "logp": logp, "topk_logp": topk_logp}
+            if not reuse:  # reused, pi_old is logp itself
+                checked = {"logp_old": old, **checked}
+            bad = first_nonfinite(checked, micro.response_mask)
             if bad is not None:
                 break
             out: LossOutput = self.estimator(
@@ -387,6 +410,10 @@ class Trainer:
             for k, v in out.metrics.items():
                 sums[k] = combine(k, sums.get(k), float(v),
                                   float(share) if k.startswith("loss/") else tok_share)
+        if self.shard is not None:  # every rank's verdict, rows and partial sums
+            bad, loss_sum, sums = self._reduce(bad, loss_sum, sums, local, logp_parts)
+        else:
+            logp_parts += local
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip)
         if bad is None and not torch.isfinite(grad_norm):
             bad = "grad_norm"
@@ -398,6 +425,26 @@ class Trainer:
         self.optimizer.step()
         self.version += 1
         return {**sums, "loss/total": loss_sum, "train/grad_norm": float(grad_norm), **guard}
+
+    def _reduce(self, bad: str | None, loss_sum: float, sums: dict[str, float],
+                local: list[torch.Tensor], logp_parts: list[torch.Tensor],
+                ) -> tuple[str | None, float, dict[str, float]]:
+        """Data parallel: agree on skipping (any rank's non-finite value skips the step on
+        all), sum the gradients, and fold the ranks' partial metric sums (peaks by max) and
+        log-probs (the mini-batch's rows, in order) into the whole mini-batch's."""
+        shard = self.shard
+        verdicts = shard.gather((bad, loss_sum, sums))
+        bad = next((v[0] for v in verdicts if v[0] is not None), None)
+        if bad is not None:
+            return bad, loss_sum, sums
+        shard.sum_grads([p for p in self.model.parameters() if p.requires_grad])
+        logp_parts.append(shard.gather_rows(torch.cat(local)))
+        merged: dict[str, float] = {}
+        for _, _, rank_sums in verdicts:
+            for k, v in rank_sums.items():
+                merged[k] = max(merged[k], v) if k.endswith("/max") and k in merged else \
+                    merged.get(k, 0.0) + v
+        return None, sum(v[1] for v in verdicts), merged
 
 
 def combine(key: str, acc: float | None, value: float, share: float) -> float:

@@ -1,35 +1,36 @@
 """The asynchronous RL loop: rollout workers generate while the trainer trains. One screen.
 
-Workers (tether.rollout.worker, one process and engine each) take work items from a
-queue, sample with the newest weights published to them, reward, and send the batch back
-stamped with the version(s) that sampled it. The trainer takes batches in issue order,
-scores pi_old per token at its version, trains (the same step as the synchronous loop,
-tether.step) and publishes weights through shared memory. `Scheduler` admits work only
-within the staleness bound, decides when to publish and keeps the ledger. docs/async.md.
+Workers (tether.rollout.worker, one engine each: processes on this machine, or Ray actors,
+`loop.backend`, tether.rollout.backend) take work items, sample with the newest weights
+published to them, reward, and send the batch back stamped with the version(s) that
+sampled it. The trainer takes batches in issue order, scores pi_old per token at its
+version, trains (the same step as the synchronous loop, tether.step) and publishes weights
+(shared memory, or the Ray object store). `Scheduler` admits work only within the
+staleness bound, decides when to publish and keeps the ledger. docs/async.md,
+docs/distributed.md.
 """
 
 from __future__ import annotations
 
-import os
-import queue as queue_lib
 import time
-from typing import Any
 
 import torch
 from tqdm import tqdm
 
 from tether.checkpoint import RunState, checkpoint_due, save_checkpoint
 from tether.config import Config
+from tether.distributed import RankFailed, start_ranks
 from tether.guards import STOP
 from tether.ledger import Ledger
 from tether.logger import read_jsonl
 from tether.loops.scheduler import Scheduler
+from tether.rollout.backend import RolloutBackend, build_backend
 from tether.rollout.hf import HFGenerator
-from tether.rollout.worker import BatchResult, worker_main
+from tether.rollout.worker import BatchResult
 from tether.run import Run, RunResult, build_run
 from tether.step import Diagnostics, score_old, train_step
 from tether.trainer import RolloutTensors, collate
-from tether.weights import SharedMemoryPublisher, SnapshotStore, parse_sync_policy
+from tether.weights import SnapshotStore, parse_sync_policy
 from tether.weights.policy import staleness_ess, trained_ess
 
 
@@ -37,23 +38,16 @@ def train_async(cfg: Config, resume: bool = False) -> RunResult:
     run = build_run(cfg, resume)
     model, trainer, tokenizer, eta = run.model, run.trainer, run.tokenizer, cfg.loop.max_staleness
     policy = parse_sync_policy(cfg.sync.policy, cfg.train.estimator)
-    ctx = torch.multiprocessing.get_context("spawn")  # fork would copy torch's thread pools
-    tasks, results = ctx.Queue(), ctx.Queue()
-    weight_queues = [ctx.Queue() for _ in range(cfg.loop.workers)]
     snapshots, ledger = SnapshotStore(model), Ledger(run.run_dir / "ledger.jsonl")
-    sched = Scheduler(cfg, policy, SharedMemoryPublisher(weight_queues), snapshots, ledger, tasks,
-                      run.sampling_seed)
+    # The workers start building their engines now, in parallel with the evaluation below.
+    backend = build_backend(cfg, str(run.model_path), run.run_dir.name)
+    sched = Scheduler(cfg, policy, backend, snapshots, ledger, run.sampling_seed)
     state = RunState(trainer, sched)  # a checkpoint holds the ledger's length and what to re-issue
     start, log = run.start(state, resume)
+    ranks = start_ranks(trainer, cfg, run.model_path)  # train.world_size > 1: ranks 1..N-1
     diagnose = Diagnostics(cfg.diagnostics, model, run.sampling, run.probe, tokenizer.eos_token_id,
                            tokenizer.pad_token_id, cfg.train.micro_batch, cfg.train.routing_replay)
     mirror = _Mirror(run, snapshots)  # the generator's numerics in this process, for diagnostics
-    workers = [ctx.Process(target=worker_main, daemon=True, name=f"tether-rollout-{i}",
-                           args=(i, cfg, str(run.model_path), os.getpid(), tasks, results,
-                                 weight_queues[i]))
-               for i in range(cfg.loop.workers)]
-    for w in workers:
-        w.start()
     sched.publish(trainer.version, model.state_dict())
 
     def model_at(v: int):  # the fp32 weights of version v: the trainer's own when current
@@ -72,7 +66,7 @@ def train_async(cfg: Config, resume: bool = False) -> RunResult:
             sched.admit(trainer.version)
             # 2. The next batch in issue order; waiting for it is the trainer's idle time.
             t0 = time.perf_counter()
-            result = _next_batch(sched, results, workers)
+            result = _next_batch(sched, backend, trainer.version)
             t1 = time.perf_counter()
             batch = collate(result.rollouts, tokenizer.pad_token_id)
             V = trainer.version
@@ -92,14 +86,20 @@ def train_async(cfg: Config, resume: bool = False) -> RunResult:
                 ess = staleness_ess(trainer.score_old(batch, model)[0], logp_old, batch.response_mask)
                 if policy.trips(ess):
                     sched.drop(result.item, "ess_trip_regenerated")
-                    if V > sched.publisher.version:
+                    if V > backend.version:
                         sched.publish(V, model.state_dict())
                     continue
                 ess_row = {"sync/ess/token": ess, "sync/tripped": 0.0}
 
-            # 5. Loss and optimizer step(s) at the current weights.
-            out = train_step(trainer, batch, result.rollouts, logp_old, topk_logp_old,
-                             cfg.train.adv_std_norm)
+            # 5. Loss and optimizer step(s) at the current weights (data-parallel: on every
+            #    rank). A rank that died stops the run: what is in flight is dropped, and the
+            #    weights after `step` steps are checkpointed.
+            try:
+                out = train_step(trainer, batch, result.rollouts, logp_old, topk_logp_old,
+                                 cfg.train.adv_std_norm)
+            except RankFailed as e:
+                sched.stop()
+                raise e.checkpointed(run.run_dir, step, state, cfg.run.keep_checkpoints) from None
             tripped = False
             if policy.measures_ess and not ess_row:  # on_trip=train: off the training forward
                 ess = trained_ess(out.logp, logp_old, batch.response_mask, cfg.train.minibatches,
@@ -110,7 +110,7 @@ def train_async(cfg: Config, resume: bool = False) -> RunResult:
 
             # 6. Diagnostics: numerical / staleness / total split, MoE routing, monitor.
             diag = diagnose(step, run.sampling_seed(result.item.slot), batch, logp_old, out.logp,
-                            snapshots.model_at, mirror, sched.publisher.version)
+                            snapshots.model_at, mirror, backend.version)
             t4 = time.perf_counter()
 
             # 7. Ledger; publish per policy; free snapshots nothing queued needs.
@@ -157,23 +157,20 @@ def train_async(cfg: Config, resume: bool = False) -> RunResult:
             if stop:
                 raise stop
     finally:
-        _shutdown(workers, tasks)
+        backend.stop()
+        ranks.stop()
         ledger.close()
     after = run.evaluate() if start == cfg.train.steps else row
     log.close()
     return run.finish(before, after, rewards)
 
 
-def _next_batch(sched: Scheduler, results: Any, workers: list[Any]) -> BatchResult:
-    """Block until the batch whose turn it is has arrived; fail if a worker died."""
+def _next_batch(sched: Scheduler, backend: RolloutBackend, trainer_version: int) -> BatchResult:
+    """Block until the batch whose turn it is has arrived. What a dead worker held is
+    dropped and issued again (Ray); the local backend raises instead."""
     while (result := sched.next_ready()) is None:
-        try:
-            sched.take(results.get(timeout=1.0))
-        except queue_lib.Empty:
-            dead = [w.name for w in workers if not w.is_alive()]
-            if dead:
-                raise RuntimeError(f"rollout worker(s) {', '.join(dead)} exited unexpectedly "
-                                   f"(exit codes {[w.exitcode for w in workers]})") from None
+        for event in backend.receive(timeout=1.0):
+            sched.take(event, trainer_version)
     return result
 
 
@@ -213,20 +210,3 @@ class _Mirror:
         if self.generator.version != version:
             self.generator.load_weights(self.snapshots.state(version), version)
         return self.generator.model
-
-
-def _shutdown(workers: list[Any], tasks: Any) -> None:
-    """Tell each worker to stop after its batch; end those that do not within a few seconds."""
-    while True:  # work not yet taken was dropped (ledger): nobody should start it
-        try:
-            tasks.get_nowait()
-        except queue_lib.Empty:
-            break
-    for _ in workers:
-        tasks.put(None)
-    deadline = time.monotonic() + 5.0
-    for w in workers:
-        w.join(timeout=max(0.0, deadline - time.monotonic()))
-        if w.is_alive():
-            w.terminate()
-            w.join()

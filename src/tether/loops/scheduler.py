@@ -27,22 +27,21 @@ import torch
 
 from tether.config import Config
 from tether.ledger import Ledger
+from tether.rollout.backend import Lost, RolloutBackend
 from tether.rollout.worker import BatchResult, WorkItem
 from tether.weights.policy import EssTrigger, EveryK, SyncPolicy
-from tether.weights.publisher import SharedMemoryPublisher
 from tether.weights.snapshots import SnapshotStore
 
 Attempts = tuple[tuple[int, ...], tuple[int, ...]]  # (prompts, attempt numbers)
 
 
 class Scheduler:
-    def __init__(self, cfg: Config, policy: SyncPolicy, publisher: SharedMemoryPublisher,
-                 snapshots: SnapshotStore, ledger: Ledger, tasks: Any,
-                 seed_of: Callable[[int], int]):
+    def __init__(self, cfg: Config, policy: SyncPolicy, backend: RolloutBackend,
+                 snapshots: SnapshotStore, ledger: Ledger, seed_of: Callable[[int], int]):
         self.eta, self.N = cfg.loop.max_staleness, cfg.train.minibatches
         self.P, self.steps = cfg.rollout.prompts_per_step, cfg.train.steps
-        self.policy, self.publisher, self.snapshots = policy, publisher, snapshots
-        self.ledger, self.tasks, self.seed_of = ledger, tasks, seed_of
+        self.policy, self.backend, self.snapshots = policy, backend, snapshots
+        self.ledger, self.seed_of = ledger, seed_of
         self.next_slot = 0  # the next slot number to issue
         self.next_prompt = 0  # the next fresh training problem
         self.train_slot = 0  # the next slot in training order
@@ -63,23 +62,28 @@ class Scheduler:
             else:
                 prompts = tuple(range(self.next_prompt, self.next_prompt + self.P))
                 attempts, self.next_prompt = (0,) * self.P, self.next_prompt + self.P
-            item = WorkItem(self.next_slot, prompts, attempts, self.publisher.version,
+            item = WorkItem(self.next_slot, prompts, attempts, self.backend.version,
                             self.seed_of(self.next_slot))
             self.ledger.issued(item.slot, list(zip(prompts, attempts)), item.min_version)
             self.outstanding[item.slot] = item
-            self.tasks.put(item)
+            self.backend.submit(item)
             self.next_slot += 1
             issued += 1
         return issued
 
     def _admissible(self, trainer_version: int) -> bool:
         start = trainer_version + self.N * len(self.outstanding)  # latest its training can start
-        return start - self.publisher.version <= self.eta
+        return start - self.backend.version <= self.eta
 
     # -- taking batches in order ---------------------------------------------------------
 
-    def take(self, result: BatchResult) -> None:
-        """A worker's batch arrived (any order)."""
+    def take(self, result: BatchResult | Lost, trainer_version: int) -> None:
+        """A worker's batch arrived (any order); or its worker died with it, and its prompts
+        are issued again at once."""
+        if isinstance(result, Lost):
+            self.drop(result.item, result.reason)
+            self.admit(trainer_version)
+            return
         if result.error is not None:
             raise RuntimeError(f"rollout worker {result.worker} failed:\n{result.error}")
         self.ready[result.item.slot] = result
@@ -114,12 +118,12 @@ class Scheduler:
 
     def publish(self, version: int, weights: dict[str, torch.Tensor]) -> None:
         self.snapshots.put(version, weights)  # pi_old of whatever it samples
-        self.publisher.publish(version, weights)
+        self.backend.publish(version, weights)
 
     def after_step(self, trainer_version: int, weights: dict[str, torch.Tensor],
                    tripped: bool) -> dict[str, float]:
         """Publish per policy, free snapshots no batch can need; this step's metrics."""
-        V, pub = trainer_version, self.publisher.version
+        V, pub = trainer_version, self.backend.version
         behind = V - pub
         more = self.trained + len(self.outstanding) < self.steps
         if isinstance(self.policy, EveryK):
@@ -131,10 +135,10 @@ class Scheduler:
         if due and behind > 0:
             self.publish(V, weights)
         oldest = min((it.min_version for it in self.outstanding.values()),
-                     default=self.publisher.version)
+                     default=self.backend.version)
         freed = self.snapshots.release({v for v in self.snapshots.versions if v >= oldest})
         out = {"sync/synced": float(due and behind > 0),
-               "sync/published_version": float(self.publisher.version),
+               "sync/published_version": float(self.backend.version),
                "snapshots/count": float(len(self.snapshots)),
                "snapshots/bytes": float(self.snapshots.nbytes), "snapshots/freed": float(len(freed)),
                "async/dropped": float(self.dropped_since_log)}

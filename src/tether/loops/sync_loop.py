@@ -15,6 +15,7 @@ from tqdm import tqdm
 
 from tether.checkpoint import RunState, checkpoint_due, save_checkpoint
 from tether.config import Config
+from tether.distributed import RankFailed, start_ranks
 from tether.guards import STOP
 from tether.logger import read_jsonl
 from tether.rollout.worker import rewarded_rollouts
@@ -34,6 +35,7 @@ def train_sync(cfg: Config, resume: bool = False) -> RunResult:
                         cfg.sync.lag, cfg.sync.on_trip, minibatches=cfg.train.minibatches)
     state = RunState(trainer, sync)  # what a checkpoint holds (tether.checkpoint)
     start, log = run.start(state, resume)
+    ranks = start_ranks(trainer, cfg, run.model_path)  # train.world_size > 1: ranks 1..N-1
     diagnose = Diagnostics(cfg.diagnostics, model, run.sampling, run.probe, tokenizer.eos_token_id,
                            tokenizer.pad_token_id, cfg.train.micro_batch, cfg.train.routing_replay)
     hf_generator = getattr(generator, "model", None)  # vLLM's weights live in its engine
@@ -77,8 +79,13 @@ def train_sync(cfg: Config, resume: bool = False) -> RunResult:
             logp_old, topk_logp_old, batch = score_old(trainer, batch, model_at)
         t3 = time.perf_counter()
 
-        # 4. Loss and optimizer step(s) at the current weights.
-        out = train_step(trainer, batch, rollouts, logp_old, topk_logp_old, cfg.train.adv_std_norm)
+        # 4. Loss and optimizer step(s) at the current weights (data-parallel: on every rank).
+        #    A rank that died stops the run; the weights after `step` steps are checkpointed.
+        try:
+            out = train_step(trainer, batch, rollouts, logp_old, topk_logp_old,
+                             cfg.train.adv_std_norm)
+        except RankFailed as e:
+            raise e.checkpointed(run.run_dir, step, state, cfg.run.keep_checkpoints) from None
         t4 = time.perf_counter()
 
         # 5. Diagnostics: numerical / staleness / total split, MoE routing, current-model monitor.
@@ -108,9 +115,11 @@ def train_sync(cfg: Config, resume: bool = False) -> RunResult:
         if stop or checkpoint_due(step + 1, cfg.run.checkpoint_every, cfg.train.steps):
             save_checkpoint(run.run_dir, step + 1, state, keep=cfg.run.keep_checkpoints)
         if stop:
+            ranks.stop()
             raise stop
 
     after = run.evaluate() if start == cfg.train.steps else row
     log.close()
     generator.close()
+    ranks.stop()
     return run.finish(before, after, rewards)

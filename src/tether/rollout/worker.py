@@ -4,9 +4,11 @@
 function, so whoever holds an engine (the synchronous loop, or a rollout worker process
 in the asynchronous loop, tether.loops.async_loop) hands the trainer rewarded rollouts.
 
-`worker_main` is such a process: its own engine (hf or vllm) and reward function, work
-items from the trainer's queue, weights from its `WeightSubscriber`, rewarded batches
-back on the results queue, stamped with the version(s) that sampled them.
+`RolloutEngine` is what a rollout worker holds: its own engine (hf or vllm) and reward
+function. `worker_main` runs one in a process (the local backend): work items from the
+trainer's queue, weights from its `WeightSubscriber`, rewarded batches back on the
+results queue, stamped with the version(s) that sampled them. The Ray backend
+(tether.rollout.ray_backend) runs one in an actor.
 """
 
 from __future__ import annotations
@@ -72,39 +74,55 @@ class BatchResult:
     error: str | None = None  # a worker's traceback: the run stops with it
 
 
+class RolloutEngine:
+    """What a rollout worker holds: its engine (hf or vllm, built from the run's model
+    directory), the task and the reward. A worker process (`worker_main`) and a Ray actor
+    (tether.rollout.ray_backend) both wrap one."""
+
+    def __init__(self, index: int, cfg: Config, model_path: str):
+        from tether.run import build_generator, sampling_params
+
+        torch.set_num_threads(cfg.loop.worker_threads)
+        self.index, self.partial = index, cfg.loop.partial
+        self.task = task_from_config(cfg.task)
+        self.reward_fn = build_reward_fn(cfg.reward.fn, cfg.reward.timeout, self.task)
+        model, self.tokenizer = load_model(model_path)
+        self.generator = build_generator(cfg, model, Path(model_path), self.tokenizer)
+        self.sampling = sampling_params(cfg, model.config.vocab_size)
+
+    def make(self, item: WorkItem, idle_s: float, refresh: Any = None) -> BatchResult:
+        """The item's rewarded batch; `refresh` (partial rollouts) may load newer weights
+        between decode steps."""
+        t0 = time.perf_counter()
+        extra = {"refresh": refresh} if self.partial and refresh is not None else {}
+        rollouts = rewarded_rollouts(self.generator, self.tokenizer, self.task, self.reward_fn,
+                                     list(item.prompts), self.sampling, item.seed, **extra)
+        return BatchResult(item, rollouts, self.index, idle_s, time.perf_counter() - t0)
+
+
 def worker_main(index: int, cfg: Config, model_path: str, parent_pid: int, tasks: Any,
                 results: Any, weights: Any) -> None:
     """Build an engine and the reward, then make rewarded batches until told to stop (None)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C: the trainer stops the run in order
-    torch.set_num_threads(cfg.loop.worker_threads)
     item = None
     try:
-        from tether.run import build_generator, sampling_params
-
-        task = task_from_config(cfg.task)
-        reward_fn = build_reward_fn(cfg.reward.fn, cfg.reward.timeout, task)
-        model, tokenizer = load_model(model_path)
-        generator = build_generator(cfg, model, Path(model_path), tokenizer)
-        subscriber = WeightSubscriber(weights, generator)
-        sampling = sampling_params(cfg, model.config.vocab_size)
+        engine = RolloutEngine(index, cfg, model_path)
+        subscriber = WeightSubscriber(weights, engine.generator)
         while True:
             t0 = time.perf_counter()
-            item = _next_item(tasks, parent_pid)
+            item = next_or_orphaned(tasks, parent_pid)
             if item is None:
                 break
             subscriber.wait_for(item.min_version)
-            t1 = time.perf_counter()
-            extra = {"refresh": subscriber.poll} if cfg.loop.partial else {}
-            rollouts = rewarded_rollouts(generator, tokenizer, task, reward_fn, list(item.prompts),
-                                         sampling, item.seed, **extra)
-            results.put(BatchResult(item, rollouts, index, t1 - t0, time.perf_counter() - t1))
-        generator.close()
+            results.put(engine.make(item, time.perf_counter() - t0, subscriber.poll))
+        engine.generator.close()
     except Exception:  # noqa: BLE001 - any failure goes to the trainer, which stops the run
         results.put(BatchResult(item, [], index, 0.0, 0.0, error=traceback.format_exc()))
 
 
-def _next_item(tasks: Any, parent_pid: int) -> WorkItem | None:
-    """The next work item; None to stop, also when the trainer's process is gone."""
+def next_or_orphaned(tasks: Any, parent_pid: int) -> Any:
+    """The next item on a child process's queue (None: stop), or None once the parent
+    process is gone (a child blocked on its queue would otherwise outlive a killed parent)."""
     while True:
         try:
             return tasks.get(timeout=1.0)

@@ -59,6 +59,8 @@ class PackedWeights:
 
 
 def pack(version: int, state_dict: dict[str, torch.Tensor]) -> PackedWeights:
+    """One copy of `state_dict` into a flat buffer (shared memory, or the Ray object store,
+    is the publisher's choice)."""
     layout, offset = [], 0
     for name, t in state_dict.items():
         n = t.numel() * t.element_size()
@@ -67,7 +69,7 @@ def pack(version: int, state_dict: dict[str, torch.Tensor]) -> PackedWeights:
     buffer = torch.empty(offset, dtype=torch.uint8)
     for (_, _, _, a, b), t in zip(layout, state_dict.values()):
         buffer[a:b] = t.detach().contiguous().view(-1).view(torch.uint8)
-    return PackedWeights(version, buffer.share_memory_(), tuple(layout))
+    return PackedWeights(version, buffer, tuple(layout))
 
 
 class SharedMemoryPublisher:
@@ -80,6 +82,7 @@ class SharedMemoryPublisher:
 
     def publish(self, version: int, state_dict: dict[str, torch.Tensor]) -> None:
         packed = pack(version, state_dict)
+        packed.buffer.share_memory_()
         for q in self.queues:
             q.put(packed)
         self.version = version

@@ -1,0 +1,208 @@
+"""A data-parallel trainer: `train.world_size` = N ranks, each training on its shard of every
+mini-batch, with the loss and gradient of the whole mini-batch.
+
+Rank 0 is the driver's own `Trainer` (it scores pi_old, logs, publishes and checkpoints as
+with one process); ranks 1..N-1 are processes (`torch.multiprocessing`, spawn) holding a
+copy of the model and optimizer, fed each step's batch through a queue. They meet in
+torch.distributed (`train.dist_backend`: gloo on CPU; nccl where the trainer's weights are
+on a GPU). Every rank starts from rank 0's state and applies the same summed gradient
+with the same optimizer, so the copies stay equal.
+
+The whole batch's gradient, not the mean of the ranks' (tether.trainer.Trainer._step):
+each rank scales its loss by its share of the mini-batch under the estimator's
+aggregation, with the denominator counted over *all* ranks: token-mean divides by the
+global number of response tokens (all-reduced first), the sequence means by the global
+number of sequences. The ranks' gradients are then summed (one all-reduce of a flat
+buffer: DDP's all-reduce without its averaging). The mean of per-rank token-means would
+weight each rank's tokens by 1 / its own count, a different, length-biased loss.
+
+A rank that dies makes rank 0's next collective fail: `RankFailed` names it, and the loop
+stops with a checkpoint (docs/distributed.md).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import time
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from tether.config import Config
+from tether.errors import RankFailed
+
+TIMEOUT = timedelta(minutes=5)  # a collective waiting this long for a rank fails
+
+
+class Shard:
+    """One rank's view: which rows of a mini-batch are its own, and the collectives the
+    trainer needs (all no-ops with one rank)."""
+
+    def __init__(self, rank: int, world_size: int):
+        self.rank, self.world_size = rank, world_size
+
+    def rows(self, start: int, n: int) -> slice:
+        """This rank's contiguous share of rows start..start+n (n divisible by world_size)."""
+        k = n // self.world_size
+        return slice(start + self.rank * k, start + (self.rank + 1) * k)
+
+    def sum(self, x: torch.Tensor) -> torch.Tensor:
+        x = x.detach().clone()
+        dist.all_reduce(x)
+        return x
+
+    def gather(self, obj: Any) -> list[Any]:
+        """Every rank's `obj` (small Python values: metrics, a guard's verdict)."""
+        out: list[Any] = [None] * self.world_size
+        dist.all_gather_object(out, obj)
+        return out
+
+    def gather_rows(self, x: torch.Tensor) -> torch.Tensor:
+        """Concatenate the ranks' (equal-shaped) tensors along dim 0, in rank order."""
+        parts = [torch.empty_like(x) for _ in range(self.world_size)]
+        dist.all_gather(parts, x.contiguous())
+        return torch.cat(parts)
+
+    def sum_grads(self, params: list[torch.nn.Parameter]) -> None:
+        """Sum the gradients over ranks in place (one flat buffer). A parameter without a
+        gradient on this rank (an MoE expert no token of its shard reached) counts as zero;
+        one without a gradient on every rank keeps none, as with one process."""
+        has = torch.tensor([p.grad is not None for p in params], dtype=torch.int32)
+        dist.all_reduce(has)
+        live = [p for p, h in zip(params, has.tolist()) if h]
+        for p in live:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        flat = torch.cat([p.grad.reshape(-1) for p in live])
+        dist.all_reduce(flat)
+        offset = 0
+        for p in live:
+            n = p.numel()
+            p.grad.copy_(flat[offset:offset + n].view_as(p.grad))
+            offset += n
+
+
+def resolve_backend(requested: str, params_on_gpu: bool) -> str:
+    """`train.dist_backend`: auto -> nccl when the trainer's weights are on a GPU, else gloo."""
+    if requested == "auto":
+        return "nccl" if params_on_gpu else "gloo"
+    if requested == "nccl" and not params_on_gpu:
+        raise ValueError("train.dist_backend=nccl needs the trainer's weights on a GPU; tether's "
+                         "trainer runs on CPU here: use gloo (or auto)")
+    return requested
+
+
+class TrainerRanks:
+    """Ranks 1..N-1 as processes; the caller's Trainer becomes rank 0. `dispatch` sends a
+    step's batch to them (Trainer.train_on calls it), `stop` ends them."""
+
+    def __init__(self, trainer: Any, cfg: Config, model_path: str | Path):
+        W = cfg.train.world_size
+        on_gpu = next(trainer.model.parameters()).is_cuda
+        backend = resolve_backend(cfg.train.dist_backend, on_gpu)
+        init = f"tcp://127.0.0.1:{_free_port()}"
+        ctx = torch.multiprocessing.get_context("spawn")
+        self.queues = [ctx.Queue() for _ in range(W - 1)]
+        self.procs = [ctx.Process(target=_rank_main, daemon=True, name=f"tether-rank-{r}",
+                                  args=(r, W, backend, init, cfg, str(model_path),
+                                        self.queues[r - 1], os.getpid()))
+                      for r in range(1, W)]
+        for p in self.procs:
+            p.start()
+        self.closed = False
+        dist.init_process_group(backend, init_method=init, rank=0, world_size=W, timeout=TIMEOUT)
+        state = trainer.state_dict()
+        for q in self.queues:
+            q.put(state)  # every rank starts from rank 0's weights and optimizer moments
+        trainer.shard, trainer.ranks = Shard(0, W), self
+
+    def dispatch(self, *work: Any) -> None:
+        """Hand the other ranks this step's (batch, advantages, logp_old, topk_logp_old)."""
+        self.check(intact=True)
+        for q in self.queues:
+            q.put(work)
+
+    def check(self, intact: bool, cause: Exception | None = None) -> None:
+        """Raise `RankFailed` naming the ranks whose process is gone (or, with `cause`, the
+        collective that failed, when none is gone yet)."""
+        deadline = time.monotonic() + (5.0 if cause is not None else 0.0)
+        while True:  # a collective can fail a moment before the dead rank's exit is seen
+            dead = [f"rank {r} (exit code {p.exitcode})" for r, p in enumerate(self.procs, 1)
+                    if not p.is_alive()]
+            if dead or time.monotonic() >= deadline:
+                break
+            time.sleep(0.1)
+        if dead or cause is not None:
+            self.abort()
+        if dead:
+            raise RankFailed(f"trainer {', '.join(dead)} died", intact)
+        if cause is not None:
+            raise RankFailed(f"a trainer collective failed: {cause}", intact) from cause
+
+    def abort(self) -> None:
+        """End the surviving ranks and leave the process group (a resume starts anew)."""
+        self.closed = True
+        for p in self.procs:
+            if p.is_alive():
+                p.kill()
+            p.join()
+        dist.destroy_process_group()
+
+    def stop(self) -> None:
+        """End the other ranks after their step; leave the process group (once)."""
+        if self.closed:
+            return
+        self.closed = True
+        for q in self.queues:
+            q.put(None)
+        for p in self.procs:
+            p.join(timeout=10.0)
+            if p.is_alive():
+                p.terminate()
+        dist.destroy_process_group()
+
+
+class OneRank:
+    """`train.world_size=1`: no other ranks; stopping them is nothing (keeps the loops free
+    of `if world_size > 1`)."""
+
+    def stop(self) -> None:
+        pass
+
+
+def start_ranks(trainer: Any, cfg: Config, model_path: str | Path) -> TrainerRanks | OneRank:
+    """With `train.world_size` > 1, start the other ranks (the trainer is rank 0)."""
+    return TrainerRanks(trainer, cfg, model_path) if cfg.train.world_size > 1 else OneRank()
+
+
+def _rank_main(rank: int, world_size: int, backend: str, init: str, cfg: Config,
+               model_path: str, work: Any, parent_pid: int) -> None:
+    """A trainer rank > 0: the model and optimizer, then one `train_on` per batch sent."""
+    from tether.models import load_model
+    from tether.rollout.worker import next_or_orphaned
+    from tether.run import sampling_params
+    from tether.trainer import Trainer
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C: rank 0 finishes the step, then stops us
+    if cfg.run.threads:
+        torch.set_num_threads(cfg.run.threads)
+    dist.init_process_group(backend, init_method=init, rank=rank, world_size=world_size,
+                            timeout=TIMEOUT)
+    model, _ = load_model(model_path)
+    trainer = Trainer(model, cfg.train, sampling_params(cfg, model.config.vocab_size))
+    trainer.shard = Shard(rank, world_size)
+    trainer.load_state_dict(work.get())
+    while (item := next_or_orphaned(work, parent_pid)) is not None:
+        trainer.train_on(*item)
+    dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
