@@ -28,13 +28,16 @@ Train with RL: generate, score old log-probs, compute the loss, step, sync.
 Settings come from a YAML file (--config) and/or dotted key=value overrides, e.g.
   tether train --config configs/countdown.yaml train.lr=5e-4 rollout.precision=fp8
 
-Sections: model (which model; default is tether's own tiny Qwen3), task (countdown or
-numeric), reward (your own reward function, optional), rollout (engine, generator
-precision, sampling), train (steps, optimizer, estimator; MoE routing replay
-train.routing_replay=none|r2|r3, docs/mismatch.md), sync (when the generator
-gets new weights), loop (loop.mode=async: rollout workers generate while the trainer
-trains, loop.workers, loop.max_staleness, loop.partial; docs/async.md), eval, run
-(directory, seed).
+Sections: model (which model; default is tether's own tiny Qwen3), task (countdown,
+numeric, or your own class as task.name=pkg.module:Class; docs/tasks.md), reward (your
+own reward function, optional), rollout (engine, generator precision, sampling), train
+(steps, optimizer, estimator; MoE routing replay train.routing_replay=none|r2|r3,
+docs/mismatch.md; data-parallel ranks train.world_size, docs/distributed.md), sync (when
+the generator gets new weights), loop (loop.mode=async: rollout workers generate while
+the trainer trains, loop.workers, loop.max_staleness, loop.partial, docs/async.md;
+loop.backend=ray), eval, run (directory, seed). `~key` drops a key the file set.
+Before a run, `tether probe` (same config) measures the generator/trainer mismatch and
+recommends an estimator and sync policy.
 `tether config --fields` lists every key with its default and meaning;
 `tether config --config FILE [key=value ...]` prints the resolved config.
 Writes RUN_DIR/config.yaml, RUN_DIR/metrics.jsonl (one row per step), checkpoints in
