@@ -411,7 +411,9 @@ class Config(_Node):
                 f"(rollout.prompts_per_step * rollout.group_size = {batch})"
             )
         if batch // self.train.minibatches % self.train.world_size:
-            raise ValueError(
+            raise CrossFieldError(
+                ["train.world_size", "train.minibatches", "rollout.prompts_per_step",
+                 "rollout.group_size"],
                 f"train.world_size={self.train.world_size} must divide each mini-batch "
                 f"({batch // self.train.minibatches} sequences): every rank trains an equal shard"
             )
@@ -426,10 +428,12 @@ class Config(_Node):
             raise CrossFieldError(["loop.partial", "loop.mode"], "loop.partial=true needs loop.mode=async (weights change mid-batch "
                              "only while generation and training overlap)")
         if self.loop.backend == "ray" and self.loop.mode != "async":
-            raise ValueError("loop.backend=ray places the asynchronous loop's rollout workers: "
+            raise CrossFieldError(["loop.backend", "loop.mode"],
+                                  "loop.backend=ray places the asynchronous loop's rollout workers: "
                              "set loop.mode=async (the synchronous loop has no workers)")
         if self.loop.backend == "ray" and self.loop.partial:
-            raise ValueError("loop.partial=true with loop.backend=ray: a Ray actor loads new "
+            raise CrossFieldError(["loop.partial", "loop.backend"],
+                                  "loop.partial=true with loop.backend=ray: a Ray actor loads new "
                              "weights between batches only; use loop.backend=local for partial "
                              "rollouts, or loop.partial=false")
         if self.loop.partial and self.rollout.engine != "hf":
@@ -742,9 +746,9 @@ def describe_fields(node: type[BaseModel] = Config, prefix: str = "") -> list[st
         if isinstance(ann, type) and issubclass(ann, BaseModel):
             lines += describe_fields(ann, path + ".")
         elif name == "task" and node is Config:
-            lines += describe_fields(CountdownTaskConfig, "task.")
-            lines += [line for line in describe_fields(NumericTaskConfig, "task.")
-                      if not line.startswith("task.name ")]
+            for i, kind in enumerate(BUILTIN_TASKS.values()):
+                lines += [line for line in describe_fields(kind, "task.")
+                          if i == 0 or not line.startswith("task.name ")]
         else:
             default = "required" if field.is_required() else repr(field.get_default(call_default_factory=True))
             lines.append(f"{path} = {default}\n    {field.description or ''}")
@@ -757,10 +761,9 @@ def format_fields() -> str:
     for section, title in SECTIONS.items():
         out.append(f"[{section}] {title}")
         if section == "task":
-            kinds = {"countdown": CountdownTaskConfig, "numeric": NumericTaskConfig}
             out += [f"  {line}" for line in describe_fields(CountdownTaskConfig, "task.")
                     if line.startswith("task.name ")]
-            for kind, node in kinds.items():
+            for kind, node in BUILTIN_TASKS.items():
                 out.append(f"  with task.name={kind}:")
                 out += [f"    {line}".replace("\n", "\n  ") for line in describe_fields(node, "task.")
                         if not line.startswith("task.name ")]

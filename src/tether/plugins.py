@@ -75,6 +75,9 @@ def _import_file(path: Path, where: str) -> Any:
     if not path.is_file():
         raise MissingTarget(f"{where}: file {path} does not exist")
     module_name = f"tether_user_{path.stem}"
+    loaded = sys.modules.get(module_name)
+    if loaded is not None and Path(loaded.__file__ or "").resolve() == path.resolve():
+        return loaded  # the same file again (a task checked at load, then built): run it once
     spec = importlib.util.spec_from_file_location(module_name, path)
     if spec is None or spec.loader is None:
         raise MissingTarget(f"{where}: {path} cannot be imported as a Python module")

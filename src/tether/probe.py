@@ -285,7 +285,7 @@ def probe(cfg: Config, batches: int = 2) -> ProbeResult:
     """Run the probe on `cfg`'s model, engine and numerics (see the module docstring)."""
     from tether.diagnostics import divergence_metrics, is_moe, routing_disagreement
     from tether.rollout.worker import rewarded_rollouts
-    from tether.run import build_generator, build_task_and_reward, load_policy
+    from tether.run import build_generator, build_task_and_reward, load_policy, sampling_seed
     from tether.trainer import LOGP_FLOOR, Trainer, collate, group_advantages
     from tether.weights.policy import staleness_ess
 
@@ -301,7 +301,7 @@ def probe(cfg: Config, batches: int = 2) -> ProbeResult:
         def sample(i: int):
             indices = [i * r.prompts_per_step + j for j in range(r.prompts_per_step)]
             rollouts = rewarded_rollouts(generator, tokenizer, task, reward_fn, indices, sampling,
-                                         seed=cfg.run.seed * 1_000_003 + i)
+                                         seed=sampling_seed(cfg, i))
             return rollouts, collate(rollouts, tokenizer.pad_token_id)
 
         held = [sample(i)[1] for i in range(batches)]

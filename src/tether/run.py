@@ -61,7 +61,7 @@ class Run:
 
     def sampling_seed(self, index: int) -> int:
         """The generator's seed for the `index`-th rollout batch (a step, or an async slot)."""
-        return self.cfg.run.seed * 1_000_003 + index
+        return sampling_seed(self.cfg, index)
 
     def start(self, state: RunState, resume: bool) -> tuple[int, RunLogger]:
         """Restore the last checkpoint (when resuming) and open the metric log; the start step."""
@@ -96,6 +96,11 @@ class Run:
         return RunResult(self.run_dir, before["eval/accuracy"], after["eval/accuracy"],
                          before.get("eval/accuracy_sampled"), after.get("eval/accuracy_sampled"),
                          rewards)
+
+
+def sampling_seed(cfg: Config, index: int) -> int:
+    """The generator's seed for the `index`-th rollout batch of a run (or of `tether probe`)."""
+    return cfg.run.seed * 1_000_003 + index
 
 
 def build_run(cfg: Config, resume: bool = False) -> Run:

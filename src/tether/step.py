@@ -152,7 +152,6 @@ class Diagnostics:
                 seed + 500_009, self.eos_id, self.pad_id, d.rare_prob)
         return out
 
-
     def _generator(self, generator_at: Callable[[int], nn.Module | None], version: int,
                    setting: str) -> nn.Module | None:
         """The generator's model at `version`, or None; says once per setting why it is off."""

@@ -4,7 +4,7 @@ The trainer scores every sampled token twice: `logp_old` without grad at the wei
 the batch's version (a kept snapshot), and `logp` with grad at the current weights.
 Both use the same processed distribution as the generator (`process_logits`), so with
 equal weights and numerics all three log-probs agree. Every trainer forward goes through
-`forward` (and `token_logprobs` on top of it), which replays the batch's MoE routing when
+`decode` (and `score_tokens` on top of it), which replays the batch's MoE routing when
 it carries one (`RolloutTensors.routed_experts`: R3, the generator's; R2, the `logp_old`
 forward's; tether.models.routing).
 """
@@ -116,9 +116,7 @@ def _routes_buffer(rollouts: list[Rollout], width: int) -> torch.Tensor | None:
     if not all(have):
         raise ValueError("collate: some rollouts carry routed experts and some do not")
     first = rollouts[0].routed_experts
-    layers, k = first.shape[1:]
-    pad = pad_routes(k, torch.from_numpy(first[:0]).dtype)
-    return pad.expand(len(rollouts), width, layers, k).clone()
+    return pad_routes(len(rollouts), width, *first.shape[1:], torch.from_numpy(first[:0]).dtype)
 
 
 def decode(
@@ -183,7 +181,7 @@ def score_tokens(model: PreTrainedModel, batch: RolloutTensors, sampling: Sampli
     hidden, experts = decode(model, batch.input_ids[:, lo:hi], batch.attention_mask[:, lo:hi],
                              routed, record)
     if experts is not None:  # back to the batch's width, padding routed as `pad_routes`
-        full = pad_routes(experts.shape[-1], experts.dtype).expand(B, P + T, *experts.shape[2:]).clone()
+        full = pad_routes(B, P + T, *experts.shape[2:], experts.dtype)
         full[:, lo:hi] = experts
         experts = full
     n = hi - P  # response positions that hold a token in some row

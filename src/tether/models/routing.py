@@ -199,7 +199,8 @@ def route(model: nn.Module, replay: torch.Tensor | None = None,
                 _unpatch(router)
 
 
-def pad_routes(k: int, dtype: torch.dtype) -> torch.Tensor:
-    """The experts replayed at positions nobody routed (padding, a response's last token):
-    0..k-1, distinct like a real choice; those positions feed no scored log-prob."""
-    return torch.arange(k, dtype=dtype)
+def pad_routes(rows: int, width: int, layers: int, k: int, dtype: torch.dtype) -> torch.Tensor:
+    """(rows, width, layers, k) routes for positions nobody routed (padding, a response's
+    last token): experts 0..k-1 everywhere, distinct like a real choice; those positions
+    feed no scored log-prob. A fresh tensor, to be filled with real routes."""
+    return torch.arange(k, dtype=dtype).expand(rows, width, layers, k).clone()

@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from tether.errors import InputError
 from tether.tasks.base import Problem, Reward, Task, is_correct
 from tether.tasks.countdown import ALPHABET, CountdownTask, reachable, solve
 from tether.tasks.expr import ExprFailure, ExprLimits, ExprValue, evaluate_expr
@@ -71,8 +72,6 @@ def task_from_config(task_cfg: Any) -> Task:
     params = task_cfg.model_dump(exclude={"name"})
     if ":" not in task_cfg.name:
         return build_task(task_cfg.name, **params)
-    from tether.errors import InputError
-
     where = f"task.name={task_cfg.name!r}"
     task = _user_task_factory(task_cfg.name)(**params)
     missing = [m for m in ("train_problem", "eval_problems", "reward") if not callable(getattr(task, m, None))]
@@ -94,8 +93,6 @@ def user_task_params(spec: str, params: dict[str, Any]) -> dict[str, Any]:
     import typing
 
     from pydantic import ConfigDict, ValidationError, create_model
-
-    from tether.errors import InputError
 
     factory = _user_task_factory(spec)
     target = factory.__init__ if isinstance(factory, type) else factory
@@ -128,7 +125,6 @@ def user_task_params(spec: str, params: dict[str, Any]) -> dict[str, Any]:
 
 
 def _user_task_factory(spec: str) -> Callable[..., Task]:
-    from tether.errors import InputError
     from tether.plugins import import_object
 
     factory = import_object(spec, f"task.name={spec!r}", kind="Class")
