@@ -7,6 +7,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+import tether.loops.sync_loop
 import tether.step
 import tether.trainer
 from tether.config import TrainConfig, load_config
@@ -31,8 +32,12 @@ def test_pi_old_from_the_training_forward_changes_nothing(warm_model_dir, tmp_pa
 
         return rows, load_file(result_dir / "final/model.safetensors")
 
+    scored = []
+    score_old = tether.loops.sync_loop.score_old
+    monkeypatch.setattr(tether.loops.sync_loop, "score_old",
+                        lambda *a: scored.append(1) or score_old(*a))
     fast_rows, fast_weights = run("reuse")
-    assert all(r["time/old_logprob"] < 1e-3 for r in fast_rows)  # no forward was run
+    assert not scored  # no old-logprob forward was run
     monkeypatch.setattr(tether.loops.sync_loop, "reuses_training_forward", lambda *a: False)
     slow_rows, slow_weights = run("score")
     for fast, slow in zip(fast_rows, slow_rows, strict=True):
@@ -101,3 +106,51 @@ def _rollout(version: int, vocab: int = 21, length: int = 3, g: torch.Generator 
                    finish_reason="length",
                    topk_ids=[list(range(2, 2 + k))] * len(ids) if k else None,
                    topk_logp=[[-2.0] * k] * len(ids) if k else None)
+
+
+def test_bf16_training_is_the_trainers_numerics_everywhere(warm_model_dir, tmp_path):
+    """train.precision=bf16: pi_old and pi_theta are both the bf16-autocast trainer's, so
+    staleness stays exact at equal weights, and the numerical part becomes the fp32
+    generator against the bf16 trainer (zero with fp32 training)."""
+    def run(precision: str) -> list[dict]:
+        run_dir = tmp_path / precision
+        # lag 1: pi_old is scored in a forward of its own, not taken from the training one
+        train(load_config(None, [f"model.path={warm_model_dir}", f"run.dir={run_dir}", *SHORT,
+                                 "sync.lag=1", f"train.precision={precision}"]))
+        return read_jsonl(run_dir / "metrics.jsonl")[1:]
+
+    fp32, bf16 = run("fp32"), run("bf16")
+    assert all(r["numerical/k3_kl/mean"] < 1e-10 for r in fp32)  # float order only
+    assert all(1e-7 < r["numerical/k3_kl/mean"] < 1e-2 for r in bf16)
+    # Step 1 trains at the weights that sampled it: pi_theta = pi_old, in either precision.
+    assert bf16[0]["staleness/k3_kl/mean"] == pytest.approx(0.0, abs=1e-9)
+    assert bf16[1]["staleness/k3_kl/mean"] > 1e-9  # lag 1: one version behind
+
+
+def test_bf16_scores_differ_from_fp32_and_the_training_forward_matches_pi_old(random_model):
+    V, B, T = random_model.config.vocab_size, 8, 6
+    g = torch.Generator().manual_seed(1)
+    batch = collate([_rollout(0, V, T, g, group=i // 4) for i in range(B)], pad_id=0)
+    sampling = SamplingParams(n=4, max_new_tokens=T)
+    fp32 = score_batch(random_model, batch, sampling, B).logp
+    bf16 = score_batch(random_model, batch, sampling, B, precision="bf16").logp
+    gap = (bf16 - fp32).abs()[batch.response_mask.bool()]
+    assert 1e-4 < gap.max() < 0.1  # bf16 products: close, not equal
+    trainer = Trainer(random_model, TrainConfig(precision="bf16", micro_batch=B), sampling)
+    adv = group_advantages(torch.randn(B, generator=g), batch.group_ids, True)
+    _, trained = trainer.train_on(batch, adv, None, None)  # pi_old from this forward
+    torch.testing.assert_close(trained, bf16, rtol=0, atol=1e-6)
+
+
+def test_run_device(tmp_path):
+    from tether.config import ConfigError
+    from tether.errors import InputError
+    from tether.run import resolve_device
+
+    assert resolve_device("cpu") == torch.device("cpu")
+    if not torch.cuda.is_available():
+        assert resolve_device("auto") == torch.device("cpu")
+        with pytest.raises(InputError, match="run.device=cuda:1"):
+            resolve_device("cuda:1")
+    with pytest.raises(ConfigError, match="run.device"):
+        load_config(None, ["run.device=tpu"])

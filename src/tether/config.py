@@ -229,6 +229,13 @@ class TrainConfig(_Node):
         "each trains on its shard of every mini-batch, with the whole mini-batch's loss and "
         "gradient under the estimator's aggregation. See docs/distributed.md.",
     )
+    precision: Literal["fp32", "bf16"] = Field(
+        "fp32",
+        description="The trainer's compute: fp32, or bf16 autocast over fp32 master weights "
+        "(matrix products in bf16; log-softmax, loss and optimizer in fp32). Every trainer "
+        "forward uses it, so pi_old is then the bf16 trainer's and the numerical part of the "
+        "mismatch is the generator against it (docs/performance.md).",
+    )
     dist_backend: Literal["auto", "gloo", "nccl"] = Field(
         "auto",
         description="world_size > 1: torch.distributed backend. auto: nccl when the trainer's "
@@ -370,6 +377,12 @@ class RunConfig(_Node):
     dir: str | None = Field(None, description="Run directory. Empty: runs/<time>-<estimator>.")
     seed: int = Field(0, description="Seed of sampling and training.")
     threads: int = Field(0, ge=0, description="torch CPU threads (0: torch's default).")
+    device: str = Field(
+        "auto", pattern=r"^(auto|cpu|cuda(:\d+)?)$",
+        description="Where the trainer's weights and the hf engine run: auto (cuda if torch sees "
+        "a GPU, else cpu), cpu, cuda or cuda:N. vLLM picks its own device. Apple's mps is not "
+        "offered: it has no float64, which the mismatch diagnostics need.",
+    )
     progress: bool = Field(True, description="Show a progress bar.")
     checkpoint_every: int = Field(
         10, ge=0,

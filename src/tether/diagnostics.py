@@ -83,7 +83,7 @@ def divergence_metrics(delta: torch.Tensor, mask: torch.Tensor, cause: str) -> d
     mask gives zeros (nothing disagrees).
     """
     keep = mask.bool()
-    d = torch.where(keep, delta.double(), torch.zeros((), dtype=torch.float64))
+    d = torch.where(keep, delta.double(), 0.0)
     n = keep.sum().clamp(min=1)
     rows = keep.any(dim=-1)
     n_rows = rows.sum().clamp(min=1)
@@ -98,10 +98,10 @@ def divergence_metrics(delta: torch.Tensor, mask: torch.Tensor, cause: str) -> d
     out = {
         f"{cause}/k1_kl/mean": k1,
         f"{cause}/k3_kl/mean": k3,
-        f"{cause}/abs_log_ratio/max": d.abs().max() if keep.any() else torch.zeros(()),
+        f"{cause}/abs_log_ratio/max": d.abs().max() if keep.any() else d.new_zeros(()),
         f"{cause}/chi2/token": chi2_tok,
         f"{cause}/chi2/seq": chi2_seq,
-        f"{cause}/ppl_ratio/mean": ppl if rows.any() else torch.ones(()),
+        f"{cause}/ppl_ratio/mean": ppl if rows.any() else d.new_ones(()),
     }
     values = torch.stack([v.double().reshape(()) for v in out.values()]).tolist()
     return dict(zip(out, values, strict=True))

@@ -32,7 +32,7 @@ def heldout_accuracy(
     """
     problems = task.eval_problems()
     n = 1 if sampling.temperature == 0 else sampling.n
-    g = torch.Generator().manual_seed(seed)
+    g = torch.Generator(model.device).manual_seed(seed)
     was_training = model.training
     model.eval()
     solved = 0

@@ -88,7 +88,8 @@ def summarize(rows: list[dict[str, Any]], cfg: dict[str, Any], tau: float | None
     sync = cfg.get("sync", {})
     out = [(
         f"steps {train_rows[0]['step']}-{train_rows[-1]['step']}   estimator "
-        f"{cfg.get('train', {}).get('estimator', '?')}   generator {gen.get('precision', '?')}   "
+        f"{cfg.get('train', {}).get('estimator', '?')}   generator {gen.get('precision', '?')}"
+        f" vs trainer {cfg.get('train', {}).get('precision', 'fp32')}   "
         f"sync {sync.get('policy', '?')}, lag {sync.get('lag', 0)}, on_trip {sync.get('on_trip', '-')}"
         f"   minibatches {cfg.get('train', {}).get('minibatches', 1)}"
     )]

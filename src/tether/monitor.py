@@ -43,7 +43,7 @@ def current_model_monitor(
     was_training = model.training
     model.eval()
     rows = [p for p in prompts for _ in range(sampling.n)]
-    g = torch.Generator().manual_seed(seed)
+    g = torch.Generator(model.device).manual_seed(seed)
     out = sample_tokens(model, rows, sampling, g, eos_id, pad_id)
     model.train(was_training)
     rollouts = [
@@ -52,7 +52,7 @@ def current_model_monitor(
                 finish_reason=finish)
         for i, (ids, lps, _tk, _tl, finish) in enumerate(out)
     ]
-    batch = collate(rollouts, pad_id)
+    batch = collate(rollouts, pad_id, model.device)
     plain = SamplingParams(n=1, temperature=sampling.temperature, top_k=sampling.top_k,
                            top_p=sampling.top_p, max_new_tokens=sampling.max_new_tokens)
     logp_gen, _ = token_logprobs(generator_model, batch, plain)  # (B, T) log mu(y), y ~ pi_theta

@@ -302,7 +302,7 @@ def probe(cfg: Config, batches: int = 2) -> ProbeResult:
             indices = [i * r.prompts_per_step + j for j in range(r.prompts_per_step)]
             rollouts = rewarded_rollouts(generator, tokenizer, task, reward_fn, indices, sampling,
                                          seed=sampling_seed(cfg, i))
-            return rollouts, collate(rollouts, tokenizer.pad_token_id)
+            return rollouts, collate(rollouts, tokenizer.pad_token_id, model.device)
 
         held = [sample(i)[1] for i in range(batches)]
         scored = [trainer.score_old(b, model) for b in held]

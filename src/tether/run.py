@@ -128,10 +128,24 @@ def build_task_and_reward(cfg: Config) -> tuple[Task, Any]:
 
 
 def load_policy(cfg: Config) -> tuple[Path, PreTrainedModel, PreTrainedTokenizerBase, SamplingParams]:
-    """The model directory, the trainer's fp32 model, its tokenizer, and how to sample from it."""
+    """The model directory, the trainer's fp32 model (on `run.device`), its tokenizer, and how
+    to sample from it."""
     model_path = resolve_model_path(cfg)
+    device = resolve_device(cfg.run.device)
     model, tokenizer = load_model(model_path)
-    return model_path, model, tokenizer, sampling_params(cfg, model.config.vocab_size)
+    return model_path, model.to(device), tokenizer, sampling_params(cfg, model.config.vocab_size)
+
+
+def resolve_device(name: str) -> torch.device:
+    """`run.device`: auto is the first GPU torch sees, else the CPU; a GPU it cannot see fails."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(name)
+    if device.type == "cuda" and not (torch.cuda.is_available()
+                                      and (device.index or 0) < torch.cuda.device_count()):
+        raise InputError(f"run.device={name}: torch sees {torch.cuda.device_count()} CUDA "
+                         "device(s) here; set run.device=auto or cpu")
+    return device
 
 
 def check_routing_replay(replay: str, model: PreTrainedModel) -> None:

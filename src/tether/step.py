@@ -57,7 +57,7 @@ def score_old(trainer: Trainer, batch: RolloutTensors,
         s = trainer.score(batch, model_at(int(distinct[0])), record=r2)
         return s.logp, s.topk, replace(batch, routed_experts=s.experts) if r2 else batch
     logp = torch.zeros_like(batch.logp_rollout)
-    topk = None if batch.topk_ids is None else torch.zeros(batch.topk_ids.shape)
+    topk = None if batch.topk_ids is None else batch.topk_logp_rollout.new_zeros(batch.topk_ids.shape)
     experts = None
     P, T = batch.prompt_len, batch.response_ids.shape[1]
     for v in distinct:
@@ -71,11 +71,11 @@ def score_old(trainer: Trainer, batch: RolloutTensors,
         if s.experts is not None:
             if experts is None:
                 experts = s.experts.new_zeros((batch.input_ids.shape[0], *s.experts.shape[1:]))
-                fresh = torch.ones(batch.input_ids.shape[0], dtype=torch.bool)
+                fresh = valid.new_ones(batch.input_ids.shape[0])
             first = fresh[rows]  # a row's prompt keeps the routing of its oldest version
             experts[rows[first]] = s.experts[first]
             fresh[rows] = False
-            at = torch.zeros(sel.shape[0], P + T, dtype=torch.bool)
+            at = sel.new_zeros(sel.shape[0], P + T)
             at[:, P - 1:P + T - 1] = sel  # the positions that predict version v's tokens
             experts[rows] = torch.where(at[..., None, None], s.experts, experts[rows])
     return logp, topk, replace(batch, routed_experts=experts) if r2 else batch
@@ -119,11 +119,12 @@ class Diagnostics:
 
     def __init__(self, cfg: DiagnosticsConfig, model: nn.Module, sampling: SamplingParams,
                  probe: list[list[int]], eos_id: int, pad_id: int, micro_batch: int,
-                 routing_replay: str = "none"):
+                 routing_replay: str = "none", precision: str = "fp32"):
         self.cfg, self.model, self.sampling, self.probe = cfg, model, sampling, probe
         self.eos_id, self.pad_id, self.micro_batch = eos_id, pad_id, micro_batch
         self._off: set[str] = set()  # settings already reported as off (engine without weights)
         self.r3 = routing_replay == "r3"
+        self.precision = precision  # the trainer's (train.precision)
 
     def __call__(self, step: int, seed: int, batch: RolloutTensors, logp_old: torch.Tensor,
                  logp: torch.Tensor | None, trainer_at: ModelAt,
@@ -135,7 +136,8 @@ class Diagnostics:
         monitor_due = bool(d.monitor_every) and (step + 1) % d.monitor_every == 0
         if self.r3 and batch.routed_experts is not None and (d.routing or monitor_due):
             off = score_batch(trainer_at(version), replace(batch, routed_experts=None),
-                              self.sampling, self.micro_batch, record=True)
+                              self.sampling, self.micro_batch, record=True,
+                              precision=self.precision)
             if d.routing:
                 out |= compare_routes(off.experts, batch.routed_experts, batch)
             if monitor_due:

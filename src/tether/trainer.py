@@ -6,11 +6,13 @@ Both use the same processed distribution as the generator (`process_logits`), so
 equal weights and numerics all three log-probs agree. Every trainer forward goes through
 `decode` (and `score_tokens` on top of it), which replays the batch's MoE routing when
 it carries one (`RolloutTensors.routed_experts`: R3, the generator's; R2, the `logp_old`
-forward's; tether.models.routing).
+forward's; tether.models.routing). `train.precision=bf16` runs all of them under bf16
+autocast (`autocast`), the fp32 master weights untouched.
 """
 
 from __future__ import annotations
 
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -62,9 +64,14 @@ class RolloutTensors:
             **{f.name: (None if (v := getattr(self, f.name)) is None else v[idx]) for f in fields(self)}
         )
 
+    def to(self, device: torch.device | str) -> RolloutTensors:
+        return RolloutTensors(**{f.name: (None if (v := getattr(self, f.name)) is None else
+                                          v.to(device, non_blocking=True)) for f in fields(self)})
 
-def collate(rollouts: list[Rollout], pad_id: int) -> RolloutTensors:
-    """Rollouts -> tensors, token ids untouched (a sampled pad or a mid-group eos stays as is)."""
+
+def collate(rollouts: list[Rollout], pad_id: int, device: torch.device | str = "cpu") -> RolloutTensors:
+    """Rollouts -> tensors on `device`, token ids untouched (a sampled pad or a mid-group eos
+    stays as is). Built on the host, then moved in one transfer per field."""
     B = len(rollouts)
     if B == 0:
         raise ValueError("collate: empty list of rollouts")
@@ -93,7 +100,7 @@ def collate(rollouts: list[Rollout], pad_id: int) -> RolloutTensors:
             topk_lp[i, :n] = torch.tensor(r.topk_logp)
         if routed is not None:
             routed[i, P - p:P + n - 1] = torch.from_numpy(r.routed_experts)
-    return RolloutTensors(
+    batch = RolloutTensors(
         input_ids=input_ids,
         attention_mask=attn,
         response_ids=input_ids[:, P:].clone(),
@@ -106,6 +113,12 @@ def collate(rollouts: list[Rollout], pad_id: int) -> RolloutTensors:
         topk_logp_rollout=topk_lp,
         routed_experts=routed,
     )
+    return batch if torch.device(device).type == "cpu" else batch.to(device)
+
+
+def autocast(device: torch.device, precision: str) -> AbstractContextManager:
+    """The trainer's numerics (`train.precision`): bf16 autocast on `device`, or fp32 (a no-op)."""
+    return torch.autocast(device.type, dtype=torch.bfloat16, enabled=precision == "bf16")
 
 
 def _routes_buffer(rollouts: list[Rollout], width: int) -> torch.Tensor | None:
@@ -165,9 +178,10 @@ LOGIT_CHUNK_ELEMENTS = 1 << 24
 
 
 def score_tokens(model: PreTrainedModel, batch: RolloutTensors, sampling: SamplingParams,
-                 record: bool = False) -> Scores:
+                 record: bool = False, precision: str = "fp32") -> Scores:
     """Log-probs of the sampled tokens and of the top-K ids under `model`, replaying
     `batch.routed_experts` when set; `record`: also the experts its MoE layers used.
+    `precision`: the trainer's numerics (`autocast`); the log-softmax is fp32 either way.
 
     Costs nothing on padding: columns that are padding in every row are cut before the
     forward, and the output embedding runs only on the sampled tokens' positions, in
@@ -178,8 +192,9 @@ def score_tokens(model: PreTrainedModel, batch: RolloutTensors, sampling: Sampli
     cols = batch.attention_mask.any(dim=0).nonzero()
     lo, hi = int(cols[0]), int(cols[-1]) + 1  # the micro-batch's non-padding columns
     routed = None if batch.routed_experts is None else batch.routed_experts[:, lo:hi]
-    hidden, experts = decode(model, batch.input_ids[:, lo:hi], batch.attention_mask[:, lo:hi],
-                             routed, record)
+    with autocast(batch.input_ids.device, precision):
+        hidden, experts = decode(model, batch.input_ids[:, lo:hi], batch.attention_mask[:, lo:hi],
+                                 routed, record)
     if experts is not None:  # back to the batch's width, padding routed as `pad_routes`
         full = pad_routes(B, P + T, *experts.shape[2:], experts.dtype)
         full[:, lo:hi] = experts
@@ -188,8 +203,9 @@ def score_tokens(model: PreTrainedModel, batch: RolloutTensors, sampling: Sampli
     valid = batch.response_mask[:, :n].bool()
     h = hidden[:, P - 1 - lo:hi - 1 - lo][valid]  # (N, H): position P+t-1 predicts token t
     topk_ids = None if batch.topk_ids is None else batch.topk_ids[:, :n][valid]
-    lp, tk = sampled_logprobs(model.get_output_embeddings(), h, batch.response_ids[:, :n][valid],
-                              topk_ids, sampling)
+    with autocast(batch.input_ids.device, precision):
+        lp, tk = sampled_logprobs(model.get_output_embeddings(), h,
+                                  batch.response_ids[:, :n][valid], topk_ids, sampling)
     logp = lp.new_zeros(B, T)
     logp[:, :n][valid] = lp
     topk = None
@@ -229,10 +245,11 @@ def sampled_logprobs(head: nn.Module, hidden: torch.Tensor, ids: torch.Tensor,
 
 @torch.no_grad()
 def score_batch(model: PreTrainedModel, batch: RolloutTensors, sampling: SamplingParams,
-                micro_batch: int, record: bool = False) -> Scores:
+                micro_batch: int, record: bool = False, precision: str = "fp32") -> Scores:
     """`score_tokens` over `micro_batch` rows at a time, without grad, in eval mode."""
     model.eval()
-    parts = [score_tokens(model, batch.select(slice(i, i + micro_batch)), sampling, record)
+    parts = [score_tokens(model, batch.select(slice(i, i + micro_batch)), sampling, record,
+                          precision)
              for i in range(0, batch.input_ids.shape[0], micro_batch)]
 
     def cat(name: str) -> torch.Tensor | None:
@@ -243,10 +260,10 @@ def score_batch(model: PreTrainedModel, batch: RolloutTensors, sampling: Samplin
 
 
 def token_logprobs(
-    model: PreTrainedModel, batch: RolloutTensors, sampling: SamplingParams
+    model: PreTrainedModel, batch: RolloutTensors, sampling: SamplingParams, precision: str = "fp32",
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(logp (B, T), top-K logp (B, T, K) or None) of `score_tokens`. Padding positions hold 0."""
-    scores = score_tokens(model, batch, sampling)
+    scores = score_tokens(model, batch, sampling, precision=precision)
     return scores.logp, scores.topk
 
 
@@ -302,7 +319,8 @@ class Trainer:
 
     def score(self, batch: RolloutTensors, model: PreTrainedModel, record: bool = False) -> Scores:
         """`score_batch` in `train.micro_batch` rows (`record`: also the experts used)."""
-        return score_batch(model, batch, self.sampling, self.cfg.micro_batch, record)
+        return score_batch(model, batch, self.sampling, self.cfg.micro_batch, record,
+                           self.cfg.precision)
 
     def train_on(
         self,
@@ -371,7 +389,7 @@ class Trainer:
         for i in range(0, batch.input_ids.shape[0], self.cfg.micro_batch):
             sl = slice(i, i + self.cfg.micro_batch)
             micro = batch.select(sl)
-            logp, topk_logp = token_logprobs(self.model, micro, self.sampling)
+            logp, topk_logp = token_logprobs(self.model, micro, self.sampling, self.cfg.precision)
             local.append(logp.detach())
             old = logp.detach() if reuse else logp_old[sl]
             topk_old = (None if topk_logp is None else topk_logp.detach()) if reuse else \

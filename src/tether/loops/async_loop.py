@@ -46,7 +46,8 @@ def train_async(cfg: Config, resume: bool = False) -> RunResult:
     start, log = run.start(state, resume)
     ranks = start_ranks(trainer, cfg, run.model_path)  # train.world_size > 1: ranks 1..N-1
     diagnose = Diagnostics(cfg.diagnostics, model, run.sampling, run.probe, tokenizer.eos_token_id,
-                           tokenizer.pad_token_id, cfg.train.micro_batch, cfg.train.routing_replay)
+                           tokenizer.pad_token_id, cfg.train.micro_batch, cfg.train.routing_replay,
+                           cfg.train.precision)
     mirror = _Mirror(run, snapshots)  # the generator's numerics in this process, for diagnostics
     sched.publish(trainer.version, model.state_dict())
 
@@ -68,7 +69,7 @@ def train_async(cfg: Config, resume: bool = False) -> RunResult:
             t0 = time.perf_counter()
             result = _next_batch(sched, backend, trainer.version)
             t1 = time.perf_counter()
-            batch = collate(result.rollouts, tokenizer.pad_token_id)
+            batch = collate(result.rollouts, tokenizer.pad_token_id, model.device)
             V = trainer.version
             behind = _behind(batch, V)  # (B, T) versions between the trainer and each token
             if int(behind.max()) > eta:  # a safety net: admission makes this impossible

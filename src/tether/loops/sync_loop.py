@@ -37,7 +37,8 @@ def train_sync(cfg: Config, resume: bool = False) -> RunResult:
     start, log = run.start(state, resume)
     ranks = start_ranks(trainer, cfg, run.model_path)  # train.world_size > 1: ranks 1..N-1
     diagnose = Diagnostics(cfg.diagnostics, model, run.sampling, run.probe, tokenizer.eos_token_id,
-                           tokenizer.pad_token_id, cfg.train.micro_batch, cfg.train.routing_replay)
+                           tokenizer.pad_token_id, cfg.train.micro_batch, cfg.train.routing_replay,
+                           cfg.train.precision)
     hf_generator = getattr(generator, "model", None)  # vLLM's weights live in its engine
 
     def model_at(v: int):  # the fp32 weights of version v: the trainer's own when current
@@ -48,7 +49,7 @@ def train_sync(cfg: Config, resume: bool = False) -> RunResult:
         indices = [step * r.prompts_per_step + i for i in range(r.prompts_per_step)]
         rollouts = rewarded_rollouts(generator, tokenizer, run.task, run.reward_fn, indices,
                                      run.sampling, seed=run.sampling_seed(step))
-        return rollouts, collate(rollouts, tokenizer.pad_token_id)
+        return rollouts, collate(rollouts, tokenizer.pad_token_id, model.device)
 
     if start == 0:
         log.log({"step": 0, **run.evaluate()})

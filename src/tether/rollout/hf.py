@@ -60,7 +60,7 @@ class HFGenerator:
         self.load_weights(model.state_dict(), version=0)
         # Router noise draws from its own generator, reseeded with every batch, so a
         # resumed run samples the same routes.
-        self.noise = torch.Generator()
+        self.noise = torch.Generator(self.model.device)
         if router_noise > 0 and add_router_noise(self.model, router_noise, self.noise) == 0:
             raise InputError("rollout.router_noise needs a MoE model (model.moe=true); "
                              "this model has no router")
@@ -80,7 +80,7 @@ class HFGenerator:
         """`refresh` (partial rollouts): called between decode steps; it may load a newer
         weight version into this engine and returns True when it did. Each token then
         records the version that sampled it (`Rollout.token_versions`)."""
-        g = torch.Generator().manual_seed(seed)
+        g = torch.Generator(self.model.device).manual_seed(seed)
         self.noise.manual_seed(seed + 1)
         n = sampling.n
         rows = [p for p in prompts for _ in range(n)]  # prompt-major: group members adjacent
@@ -106,7 +106,7 @@ class HFGenerator:
         for i, (ids, logps, topk_ids, topk_logp, finish) in enumerate(out):
             versions = step_versions[:len(ids)]
             # Positions the generator forwarded: the prompt, and the response but its last token.
-            routed = None if experts is None else experts[i, L - len(rows[i]):L + len(ids) - 1].numpy()
+            routed = None if experts is None else experts[i, L - len(rows[i]):L + len(ids) - 1].cpu().numpy()
             rollouts.append(
                 Rollout(
                     prompt_id=prompt_ids[i // n],
@@ -156,8 +156,9 @@ def sample_tokens(
     for i, p in enumerate(prompts):
         input_ids[i, L - len(p):] = torch.tensor(p)
         attn[i, L - len(p):] = 1
+    input_ids, attn = input_ids.to(model.device), attn.to(model.device)
     cache = DynamicCache()
-    done = torch.zeros(B, dtype=torch.bool)
+    done = torch.zeros(B, dtype=torch.bool, device=model.device)
     tokens, logps, tk_ids, tk_logp = [], [], [], []
     step_ids, _step_attn = input_ids, attn
     for step in range(sampling.max_new_tokens):
@@ -189,8 +190,9 @@ def sample_tokens(
         attn = torch.cat([attn, alive.long()[:, None]], dim=1)
         if bool(done.all()):
             break
-    toks = torch.stack(tokens, 1)  # (B, T)
-    lps = torch.stack(logps, 1)
+    toks = torch.stack(tokens, 1).cpu()  # (B, T): to the host once, for the lists
+    lps = torch.stack(logps, 1).cpu()
+    tk_ids, tk_logp = [t.cpu() for t in tk_ids], [t.cpu() for t in tk_logp]
     results = []
     for i in range(B):
         row = toks[i].tolist()
