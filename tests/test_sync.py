@@ -57,6 +57,8 @@ def test_parse_bad_specs_name_the_fix(spec, message):
 
 def test_auto_takes_the_presets_policy():
     assert resolve_policy_spec("auto", "dlc") == "ess:0.5"
+    assert resolve_policy_spec("auto", "dlc_clip") == "ess:0.5"  # dlc with a clip: same policy
+    assert resolve_policy_spec("auto", "reweight") == "every:1"  # DLC's baseline: no re-sync
     assert resolve_policy_spec("auto", "grpo") == "every:1"
     assert resolve_policy_spec("every:3", "dlc") == "every:3"  # explicit wins
     cfg = load_config("configs/countdown.yaml", ["train.estimator=dlc", "rollout.logprobs_topk=8"])

@@ -203,7 +203,7 @@ class TrainConfig(_Node):
         1, ge=1, description="Optimizer steps per rollout batch, on disjoint slices (VESPO's N)."
     )
     estimator: str = Field("grpo", description="Loss preset or objective+correction; `tether estimators` lists them.")
-    estimator_params: dict[str, float | str] = Field(
+    estimator_params: dict[str, bool | float | str] = Field(
         default_factory=dict, description="Estimator keyword parameters, e.g. {cap: 2.0}."
     )
     adv_std_norm: bool = Field(
@@ -250,7 +250,7 @@ class SyncConfig(_Node):
         "bounded:K (only when it would otherwise be more than K versions behind), "
         "ess:TAU[:max=M] (every step, lagged, plus a re-sync to the current weights when the "
         "token ESS of pi_theta/pi_old on the incoming batch falls below TAU; max=M: also after "
-        "M steps without one), auto (the estimator preset's: dlc -> ess:0.5, else every:1). "
+        "M steps without one), auto (the estimator preset's: dlc, dlc_clip -> ess:0.5, else every:1). "
         "See docs/mismatch.md.",
     )
     lag: int = Field(

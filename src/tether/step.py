@@ -1,7 +1,8 @@
 """One training step on a rewarded batch: the part both loops share.
 
     score_old   pi_old per token, at the weight version that sampled it
-    train_step  advantages, loss and optimizer step(s), the mismatch by cause, batch metrics
+    train_step  advantages, loss and optimizer step(s) (with pi_prox, scored by the trainer
+                for an estimator that reads it), the mismatch by cause, batch metrics
 
 Everything about where the batch came from (a generator in this process, a lagged one,
 worker processes racing the trainer) stays in the loops (tether.loops); everything about
@@ -84,7 +85,8 @@ def score_old(trainer: Trainer, batch: RolloutTensors,
 def reuses_training_forward(trainer: Trainer, batch: RolloutTensors) -> bool:
     """pi_old needs no forward of its own: every token was sampled at the trainer's current
     weights and the batch is trained in one optimizer step, so the training forward's logp,
-    detached, is pi_old (the same function of the same weights on the same tokens). R2
+    detached, is pi_old (the same function of the same weights on the same tokens). Such a
+    batch also has pi_prox = pi_old (decoupled PPO), so the trainer scores no pi_prox. R2
     needs the experts of a no-grad forward, so it always scores; so does a model with
     dropout."""
     valid = batch.response_mask.bool()
@@ -174,7 +176,8 @@ def train_step(trainer: Trainer, batch: RolloutTensors, rollouts: list[Rollout],
     """Group advantages, then the loss and `train.minibatches` optimizer steps.
 
     `logp_old` None (`reuses_training_forward`): pi_old is taken from the training forward;
-    a step cut short before scoring every row scores it at the (unchanged) weights."""
+    a step cut short before scoring every row scores it at the (unchanged) weights. pi_prox,
+    when the estimator reads it, is `Trainer.train_on`'s (its forward counts in time/train)."""
     t0 = time.perf_counter()
     advantages = group_advantages(batch.rewards, batch.group_ids, adv_std_norm)
     rows, logp = trainer.train_on(batch, advantages, logp_old, topk_logp_old)

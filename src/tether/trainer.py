@@ -335,6 +335,11 @@ class Trainer:
         saw it (mini-batch i after i steps), for diagnostics and the ESS trigger; None when
         a step stopped before scoring every row. `logp_old` None (one mini-batch, a batch
         sampled at the current weights): pi_old is the training forward's logp, detached.
+
+        An estimator that reads pi_prox (decoupled PPO) gets it scored here, without grad,
+        at the weights before the first of these steps, for every mini-batch (as AReaL
+        recomputes it once per training step). A batch whose every token was sampled at
+        this version needs no forward: pi_prox is then pi_old (same weights, same numerics).
         """
         if logp_old is None and self.cfg.minibatches != 1:
             raise ValueError("logp_old=None needs train.minibatches=1: later mini-batches "
@@ -343,17 +348,23 @@ class Trainer:
             self.ranks.dispatch(batch, advantages, logp_old, topk_logp_old)
         B = batch.input_ids.shape[0]
         mb = B // self.cfg.minibatches
+        # This rank's rows of each mini-batch (all of them with one process).
+        idxs = [slice(start, start + mb) if self.shard is None else self.shard.rows(start, mb)
+                for start in range(0, B, mb)]
+        valid = batch.response_mask.bool()
+        score_prox = self.estimator.needs_prox and \
+            bool((batch.token_versions[valid] != self.version).any())
+        logp_prox = [self.score(batch.select(i), self.model).logp if score_prox else None
+                     for i in idxs]
         out: list[dict[str, float]] = []
         parts: list[torch.Tensor] = []
         version = self.version
-        for start in range(0, B, mb):
-            # This rank's rows of the mini-batch (all of them with one process).
-            idx = slice(start, start + mb) if self.shard is None else self.shard.rows(start, mb)
+        for idx, prox_i in zip(idxs, logp_prox, strict=True):
             try:
                 out.append(self._step(batch.select(idx), advantages[idx],
                                       None if logp_old is None else logp_old[idx],
                                       None if topk_logp_old is None else topk_logp_old[idx],
-                                      parts))
+                                      parts, prox_i))
             except RuntimeError as e:  # rank 0: a collective failed, a rank is likely gone
                 if self.ranks is None:
                     raise
@@ -369,8 +380,10 @@ class Trainer:
         logp_old: torch.Tensor | None,
         topk_logp_old: torch.Tensor | None,
         logp_parts: list[torch.Tensor],
+        logp_prox: torch.Tensor | None = None,
     ) -> dict[str, float]:
-        """One optimizer step on a mini-batch (this rank's shard of it, data-parallel)."""
+        """One optimizer step on a mini-batch (this rank's shard of it, data-parallel);
+        `logp_prox` None: the estimator takes pi_old for pi_prox."""
         reuse = logp_old is None  # pi_old from this forward (see train_on)
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
@@ -395,8 +408,9 @@ class Trainer:
             topk_old = (None if topk_logp is None else topk_logp.detach()) if reuse else \
                 (None if topk_logp_old is None else topk_logp_old[sl])
             # Guard: a non-finite input or log-prob would poison the weights; one host sync.
-            checked = {"logp_rollout": micro.logp_rollout, "advantages": advantages[sl],
-                       "logp": logp, "topk_logp": topk_logp}
+            prox = None if logp_prox is None else logp_prox[sl]
+            checked = {"logp_prox": prox, "logp_rollout": micro.logp_rollout,
+                       "advantages": advantages[sl], "logp": logp, "topk_logp": topk_logp}
             if not reuse:  # reused, pi_old is logp itself
                 checked = {"logp_old": old, **checked}
             bad = first_nonfinite(checked, micro.response_mask)
@@ -409,6 +423,7 @@ class Trainer:
                     logp_rollout=micro.logp_rollout,
                     advantages=advantages[sl],
                     mask=micro.response_mask,
+                    logp_prox=prox,
                     topk_ids=micro.topk_ids,
                     topk_logp_rollout=micro.topk_logp_rollout,
                     topk_logp=topk_logp,

@@ -22,7 +22,7 @@ from tether.estimators.ppo import ppo
 
 EXPECTED_PRESETS = {
     "naive", "grpo", "tis", "seq_tis", "mis", "icepop", "seq_mis", "geo_mis",
-    "cis", "gspo", "sapo", "cispo", "vespo", "decoupled", "dlc",
+    "cis", "gspo", "sapo", "cispo", "vespo", "decoupled", "dlc", "dlc_clip", "reweight",
 }  # fmt: skip
 
 
@@ -40,6 +40,13 @@ def test_presets_resolve_to_their_parts_and_defaults() -> None:
         "clip_low": 0.2, "clip_high": 0.28, "lam": 2.3, "kappa": 5e-3, "agg": "token-mean"
     }  # fmt: skip
     assert build_estimator("vespo").params["length_norm"] == "none"
+    assert build_estimator("vespo").params["include_rho"] is False
+    dlc_clip = build_estimator("dlc_clip")
+    assert (dlc_clip.objective.name, dlc_clip.correction.name, dlc_clip.centering) == (
+        "ppo", "none", True
+    )  # fmt: skip
+    assert dlc_clip.params == {"clip_low": 0.2, "clip_high": 0.28, "agg": "token-mean"}
+    assert build_estimator("reweight").params == {"cap": 2.0, "agg": "token-mean"}
     assert build_estimator("cispo").params == {
         "clip_low": 1.0, "clip_high": 4.0, "agg": "token-mean"
     }  # fmt: skip
@@ -94,6 +101,8 @@ def test_unknown_parameter_lists_the_valid_ones() -> None:
         ("sapo", {"tau_neg": 0.0}, "'tau_neg'"),
         ("vespo", {"k_pos": -1.0}, "'k_pos'"),
         ("vespo", {"length_norm": "L"}, "'length_norm' must be one of none, T, sqrtT"),
+        ("vespo", {"include_rho": 1}, "'include_rho' must be true or false"),
+        ("reweight", {"cap": 0.0}, "'cap' must be > 0"),
         ("dlc", {"stale_cap": 0.0}, "'stale_cap'"),
         ("naive", {"agg": "mean"}, "'agg' must be one of token-mean"),
         ("tis", {"cap": math.nan}, "'cap' must be a number"),
@@ -111,12 +120,15 @@ def test_infinite_caps_mean_no_cap() -> None:
 
 
 def test_compositions_that_would_count_a_correction_twice_are_refused() -> None:
-    with pytest.raises(ValueError, match="'vespo' already weighs by pi/mu"):
-        build_estimator("vespo+tis")
+    with pytest.raises(ValueError, match="'vespo' with include_rho=true already weighs by pi/mu"):
+        build_estimator("vespo+tis", include_rho=True)
+    assert build_estimator("vespo+tis").params["include_rho"] is False  # W = prod r: no rho
     with pytest.raises(ValueError, match="'decoupled' already weighs by pi/mu"):
         build_estimator(objective="decoupled", correction="cis")
-    with pytest.raises(ValueError, match="centering needs an objective.*pg, stale_is"):
-        build_estimator("ppo+none+centering")
+    with pytest.raises(ValueError, match="'total_is' already weighs by pi/mu"):
+        build_estimator("total_is+tis")
+    with pytest.raises(ValueError, match="centering needs an objective.*: use one of pg, ppo, stale"):
+        build_estimator("gspo+none+centering")
     with pytest.raises(ValueError, match="centering is itself the numerical-mismatch correction"):
         build_estimator("stale_is+tis+centering")
 
@@ -130,6 +142,12 @@ def test_registries_refuse_duplicate_names_and_unknown_aggregations() -> None:
         registry.add("a", ppo, corrects="staleness", level="token", formula="", source="")
     with pytest.raises(ValueError, match="agg must be one of"):
         registry.add("b", ppo, corrects="staleness", level="token", formula="", source="", agg="x")
+
+
+def test_only_an_estimator_that_reads_logp_prox_needs_it() -> None:
+    # The trainer scores pi_prox for exactly these (an extra no-grad forward per stale batch).
+    assert [p for p in PRESETS if build_estimator(p).needs_prox] == ["decoupled"]
+    assert OBJECTIVES.get("decoupled").inputs[:2] == ("logp", "logp_prox")
 
 
 def test_registry_reads_inputs_and_defaults_from_the_signature() -> None:

@@ -136,3 +136,59 @@ def test_uncapped_stale_is_is_unbiased_per_prefix_on_sequences() -> None:
         build_estimator("stale_is+none", stale_cap=math.inf), advantage_of
     )
     torch.testing.assert_close(stale, -grad / policy.length, rtol=1e-9, atol=1e-12)
+
+
+def _stale_and_mismatched(vocab: int, length: int, seed: int) -> TabularPolicy:
+    policy = TabularPolicy(vocab=vocab, length=length, seed=seed)
+    policy.old = policy.perturbed(0.7)  # the generator's weights lag ...
+    policy.mu = policy.old + (policy.perturbed(0.5) - policy.theta.detach())  # + noise of std 0.5
+    return policy  # ... and its numerics differ (mu != pi_old): both causes at once
+
+
+def test_dlc_clip_subtracts_the_mu_mean_of_its_own_clipped_score() -> None:
+    # One token, V = 5, both causes, K = V, token advantage A(y) of either sign. With
+    # w_A(v) = r(v), or 0 where PPO clips v under A's sign (A > 0: r > 1.28; A < 0: r < 0.8),
+    # and grad_theta log pi(v) = e_v - pi (theta: the logit row), dlc_clip's expected gradient
+    # is, written out independently of the estimator code,
+    #   -sum_y mu(y) A(y) [ w_A(y)(y) (e_y - pi) - sum_v mu(v) w_A(y)(v) (e_v - pi) ]
+    policy = _stale_and_mismatched(vocab=5, length=1, seed=11)
+    advantage_of = _advantages(seed=12)
+    pi, old, mu = (t.detach()[0].softmax(-1) for t in (policy.theta, policy.old, policy.mu))
+    r, eye = pi / old, torch.eye(5, dtype=torch.float64)
+    expected = torch.zeros(5, dtype=torch.float64)
+    clipped = 0
+    for y in range(5):
+        a = advantage_of((y,))
+        w = torch.where((r > 1.28) if a > 0 else (r < 0.8), torch.zeros_like(r), r)
+        clipped += int((w == 0).sum())
+        score = eye - pi  # (V, V): row v is grad log pi(v)
+        expected -= mu[y] * a * (w[y] * score[y] - (mu * w) @ score)
+    assert clipped > 0  # the clip binds on some head tokens: the check has teeth
+    got = policy.expected_gradient(build_estimator("dlc_clip"), advantage_of, k=5)
+    torch.testing.assert_close(got[0], expected, rtol=1e-9, atol=1e-12)
+    # ppo alone (no centering) keeps the mean mismatch term: a different gradient
+    grpo = policy.expected_gradient(build_estimator("grpo"), advantage_of)
+    assert (grpo[0] - expected).abs().max() > 1e-3
+
+
+def test_dlc_clip_centering_cancels_both_causes_under_a_constant_advantage() -> None:
+    # Constant A (the on-policy gradient is 0), K = V, sequences of length 2: the centering
+    # subtracts exactly the mu-mean of the clipped, staleness-weighted score, so the
+    # expected gradient is 0; grpo (the same clip, uncentered) drifts.
+    policy = _stale_and_mismatched(vocab=4, length=2, seed=13)
+    dlc_clip = policy.expected_gradient(build_estimator("dlc_clip"), _constant, k=4)
+    assert dlc_clip.abs().max() < 1e-12
+    grpo = policy.expected_gradient(build_estimator("grpo"), _constant)
+    assert grpo.abs().max() > 1e-2
+
+
+def test_uncapped_reweight_is_unbiased_under_both_causes() -> None:
+    # One token: E_mu[(pi_theta / mu) A grad log pi_theta] = grad J, staleness and numerics
+    # together. DLC's plain reweighting is this with a cap, which then biases it.
+    policy = _stale_and_mismatched(vocab=4, length=1, seed=14)
+    advantage_of = _advantages(seed=15)
+    target = -policy.policy_gradient(advantage_of)
+    full = policy.expected_gradient(build_estimator("reweight", cap=math.inf), advantage_of)
+    torch.testing.assert_close(full, target, rtol=1e-9, atol=1e-12)
+    capped = policy.expected_gradient(build_estimator("reweight", cap=1.0), advantage_of)
+    assert (capped - target).abs().max() > 1e-3

@@ -174,15 +174,18 @@ def test_vespo_phi_is_one_on_policy() -> None:
     torch.testing.assert_close(out.weights, torch.ones(2, 2).double())
 
 
-def test_vespo_weight_is_a_detached_product_over_tokens() -> None:
-    # log r = [0.1, 0.2], log rho = [0.05, -0.05]: log W = 0.3 (a sum, not a mean).
-    # A = 1 -> (k, lam) = (2, 3): phi = e^0.6 * e^(3 (1 - e^0.3)) = 1.8221 * 0.35009 = 0.63792
-    # A = -1 -> (k, lam) = (3, 2): phi = e^0.9 * e^(2 (1 - e^0.3))
-    batch = _batch([[0.1, 0.2], [0.1, 0.2]], [1.0, -1.0], log_rho=[[0.05, -0.05]] * 2)
-    out = build_estimator("vespo")(batch)
-    w = math.exp(0.3)
-    phi_pos = math.exp(2 * 0.3 + 3 * (1 - w))
-    phi_neg = math.exp(3 * 0.3 + 2 * (1 - w))
+@pytest.mark.parametrize(("include_rho", "log_w"), [(False, 0.3), (True, 0.45)])
+def test_vespo_weight_is_a_detached_product_over_tokens(include_rho: bool, log_w: float) -> None:
+    # log r = [0.1, 0.2], log rho = [0.05, 0.1]: log W = sum_t log r = 0.3 (a sum, not a
+    # mean), as the paper's scripts (W = prod pi_theta / pi_old); with include_rho also
+    # sum_t log rho: 0.45 (W = prod pi_theta / mu).
+    # A = 1 -> (k, lam) = (2, 3): phi = W^2 e^(3 (1 - W)); at 0.3: 1.8221 * 0.35009 = 0.63792
+    # A = -1 -> (k, lam) = (3, 2): phi = W^3 e^(2 (1 - W))
+    batch = _batch([[0.1, 0.2], [0.1, 0.2]], [1.0, -1.0], log_rho=[[0.05, 0.1]] * 2)
+    out = build_estimator("vespo", include_rho=include_rho)(batch)
+    w = math.exp(log_w)
+    phi_pos = math.exp(2 * log_w + 3 * (1 - w))
+    phi_neg = math.exp(3 * log_w + 2 * (1 - w))
     expected = torch.tensor([[phi_pos] * 2, [phi_neg] * 2]).double()
     torch.testing.assert_close(out.weights, expected)
     # detached: d loss / d logp = -phi A / N, no d phi / d logp term
@@ -190,9 +193,15 @@ def test_vespo_weight_is_a_detached_product_over_tokens() -> None:
     torch.testing.assert_close(_grad(out.loss, batch), grad)
 
 
+def test_vespo_without_rho_composes_with_a_mismatch_correction() -> None:
+    # log r = 0 (W = 1, phi = 1), rho = [3, 0.5]: vespo+tis weighs by min(rho, 2) * phi.
+    batch = _batch([[0.0, 0.0]], [1.0], log_rho=[[math.log(3.0), math.log(0.5)]])
+    _close(build_estimator("vespo+tis")(batch).weights, [[2.0, 0.5]])
+
+
 @pytest.mark.parametrize(("length_norm", "divisor"), [("none", 1.0), ("T", 2.0), ("sqrtT", 2**0.5)])
 def test_vespo_length_norm_divides_log_w(length_norm: str, divisor: float) -> None:
-    batch = _batch([[0.1, 0.2]], [1.0], log_rho=[[0.05, -0.05]])
+    batch = _batch([[0.1, 0.2]], [1.0], log_rho=[[0.05, 0.1]])  # rho: not in W by default
     out = build_estimator("vespo", length_norm=length_norm)(batch)
     log_w = 0.3 / divisor
     assert out.weights[0, 0].item() == pytest.approx(
@@ -294,6 +303,22 @@ def test_decoupled_uses_logp_prox_when_given() -> None:
     )  # fmt: skip
     out = build_estimator("decoupled")(batch)
     assert out.weights.item() == pytest.approx(math.exp(0.3))
+
+
+def test_reweight_weighs_by_the_capped_total_ratio() -> None:
+    # r = [e^0.5, 1, 2], rho = [e^0.2, 3, 0.25]: pi/mu = r rho = [e^0.7 = 2.0138, 3, 0.5]
+    #   capped at C = 2 -> w = [2, 2, 0.5]; no clip: every token keeps its gradient.
+    # A = [1, -1, 2], logp_old = -1 -> logp = [-0.5, -1, -1 + ln 2]
+    # l = -w A logp = [1, -2, 1 - ln 2] -> loss = (1 - 2 + 0.3068528) / 3 = -0.2310491
+    # d loss / d logp = -w A / 3 = [-2/3, 2/3, -1/3]
+    log_r = [[0.5, 0.0, math.log(2.0)]]
+    batch = _batch(log_r, [[1.0, -1.0, 2.0]], log_rho=[[0.2, math.log(3.0), math.log(0.25)]])
+    out = build_estimator("reweight")(batch)
+    # (_batch builds log rho through float32: equal to ~1e-8, not 1e-9)
+    assert out.loss.item() == pytest.approx((1 - 2 + (1 - math.log(2.0))) / 3, rel=1e-7)
+    torch.testing.assert_close(out.weights, torch.tensor([[2.0, 2.0, 0.5]]).double())
+    torch.testing.assert_close(_grad(out.loss, batch), torch.tensor([[-2 / 3, 2 / 3, -1 / 3]]).double())
+    assert out.metrics["objective/frac_clipped"] == pytest.approx(2 / 3)  # the capped two
 
 
 @pytest.mark.parametrize("preset", [p for p in PRESETS if not PRESETS[p].centering])

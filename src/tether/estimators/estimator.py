@@ -54,7 +54,7 @@ class Estimator:
         center = None
         if self.centering:
             head_weight = self.objective.head_weight(
-                clean.topk_logp, clean.topk_logp_old, **self._head_params()
+                *(fields[n] for n in self.objective.head_inputs), **self._head_params()
             )
             center, rho_tail, head_mu = center_term(
                 clean.advantages,
@@ -80,6 +80,11 @@ class Estimator:
                 metrics |= centering_metrics(rho_tail, head_mu, mask)
         return LossOutput(loss=loss, weights=weights, metrics=to_floats(metrics))
 
+    @property
+    def needs_prox(self) -> bool:
+        """Whether the loss reads `logp_prox` (decoupled PPO): the trainer then scores it."""
+        return "logp_prox" in self.objective.inputs + self.correction.inputs
+
     def __repr__(self) -> str:
         return (
             f"Estimator({self.name!r}, objective={self.objective.name!r}, "
@@ -94,7 +99,10 @@ class Estimator:
         return {k: self.params[k] for k in self.objective.head_params}
 
 
-_FIELDS = ("logp", "logp_old", "logp_rollout", "logp_prox", "advantages", "mask")
+_FIELDS = (
+    "logp", "logp_old", "logp_rollout", "logp_prox", "advantages", "mask", "topk_logp",
+    "topk_logp_old",
+)  # fmt: skip
 
 
 def _sanitize(batch: TokenBatch) -> TokenBatch:
@@ -179,16 +187,19 @@ def build_estimator(
         name = f"{objective}+{correction}" + ("+centering" if centering else "")
     obj, corr = OBJECTIVES.get(objective), CORRECTIONS.get(correction)
 
-    if obj.includes_mismatch and corr.name != "none":
+    flag = obj.mismatch_flag  # e.g. vespo's include_rho: weighs by pi/mu only when set
+    flag_on = flag is not None and params.get(flag, obj.defaults[flag]) is True
+    if (obj.includes_mismatch or flag_on) and corr.name != "none":
+        how = f" with {flag}=true" if flag_on else ""
         raise ValueError(
-            f"objective {obj.name!r} already weighs by pi/mu (it corrects numerical mismatch "
-            f"itself); use correction 'none', not {corr.name!r}"
+            f"objective {obj.name!r}{how} already weighs by pi/mu (it corrects numerical "
+            f"mismatch itself); use correction 'none', not {corr.name!r}"
         )
     if centering and obj.head_weight is None:
         with_head = [n for n in OBJECTIVES.names() if OBJECTIVES.get(n).head_weight is not None]
         raise ValueError(
-            f"centering needs an objective of the form -sg(w) A log pi; {obj.name!r} is not: "
-            f"use one of {', '.join(with_head)}"
+            f"centering needs an objective whose gradient is -w A grad log pi with a known w(v) "
+            f"on the head; {obj.name!r} has none: use one of {', '.join(with_head)}"
         )
     if centering and corr.name != "none":
         raise ValueError(

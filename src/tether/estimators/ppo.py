@@ -6,16 +6,23 @@ ppo:
 Source: Schulman et al. 2017 (PPO, eq. 7); GRPO (Shao et al. 2024, eq. 3) with DAPO's
 clip-higher eps_hi = 0.28 (Yu et al. 2025). Corrects: staleness, as a trust region
 rather than a reweighting: biased (clipped tokens drop out, the rest use r), bounded
-variance. Gradient: -r A grad log pi where unclipped, 0 where clipped.
+variance. Gradient: -r A grad log pi where unclipped, 0 where clipped; so centering
+(`ppo+none+centering`, the `dlc_clip` preset) can take w(v) = r(v), 0 where clipped
+for the sign of the token's A, as the head weight.
 
 decoupled:
     l_t = -sg(min(pi_prox / mu, C)) min(r'_t A_t, clip(r'_t, 1 - eps_lo, 1 + eps_hi) A_t)
     r'_t = pi_theta / pi_prox,  eps = (0.2, 0.2),  C = 5
 Source: Fu et al., "AReaL" (2025), the decoupled PPO objective. pi_prox is the
-trainer at the weights this step started from (defaults to pi_old). Corrects: both
-(pi_prox / mu spans the numerics and the versions between generator and step start).
-Departure: AReaL drops tokens whose behaviour weight exceeds the cap; DESIGN.md
-truncates them to the cap instead, as here. Shapes (B, T).
+trainer at the weights this step started from: it reads `logp_prox`, so the trainer
+scores it once per batch, without grad, before the batch's first optimizer step (AReaL
+recomputes it the same way, once per training step for all its mini-batches); a batch
+whose every token was sampled at the trainer's version has pi_prox = pi_old and gets no
+extra forward. Corrects: both (pi_prox / mu spans the numerics and the versions between
+generator and step start). Departure: AReaL's old default dropped tokens whose behaviour
+weight exceeded 5 (today's AReaL applies no behaviour weight unless rejection sampling
+is configured, then masks or clamps); DESIGN.md truncates to the cap, as here.
+Shapes (B, T).
 """
 
 from __future__ import annotations
@@ -36,11 +43,30 @@ def clipped_surrogate(
     ratio = clamp_log_ratio(log_ratio).exp()  # (B, T)
     clipped_ratio = ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
     loss = torch.maximum(-advantages * ratio, -advantages * clipped_ratio)
-    r = ratio.detach()
+    coef, clipped = clip_coef(ratio.detach(), advantages, clip_low, clip_high)
+    return ObjectiveTerms(loss=loss, coef=coef, clipped=clipped & mask)
+
+
+def clip_coef(
+    r: torch.Tensor, advantages: torch.Tensor, clip_low: float, clip_high: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The clipped surrogate's weight on the score, r or 0, and where it is 0 (detached r)."""
     # The max picks the clipped branch (zero gradient) exactly in these two cases.
     clipped = ((advantages > 0) & (r > 1.0 + clip_high)) | ((advantages < 0) & (r < 1.0 - clip_low))
-    coef = torch.where(clipped, torch.zeros_like(r), r)
-    return ObjectiveTerms(loss=loss, coef=coef, clipped=clipped & mask)
+    return torch.where(clipped, torch.zeros_like(r), r), clipped
+
+
+def ppo_head_weight(
+    topk_logp: torch.Tensor,
+    topk_logp_old: torch.Tensor,
+    advantages: torch.Tensor,
+    *,
+    clip_low: float,
+    clip_high: float,
+) -> torch.Tensor:
+    """w(v) = r(v), or 0 where the token's A would clip it, on the top-K head. (B, T, K)."""
+    r = clamp_log_ratio(topk_logp.detach() - topk_logp_old).exp()
+    return clip_coef(r, advantages.unsqueeze(-1), clip_low, clip_high)[0]
 
 
 @OBJECTIVES.register(
@@ -49,6 +75,7 @@ def clipped_surrogate(
     level="token",
     formula="-min(r A, clip(r, 1-eps_lo, 1+eps_hi) A)",
     source="PPO (Schulman 2017, eq. 7); GRPO (Shao 2024); clip-higher from DAPO",
+    head_weight=ppo_head_weight,
 )
 def ppo(
     logp: torch.Tensor,

@@ -82,6 +82,10 @@ PRESETS: dict[str, Preset] = {
             centering=True,
             source="DLC (Li, Zhou, Lan); centering: Marek & Ryabinin, arXiv 2609.20807",
         ),
+        # dlc with its staleness weight under PPO's clip around pi_old (as tis has it), the
+        # centering taking the clipped w(v): does the clip's anchor explain tis's stability?
+        Preset("dlc_clip", "ppo", centering=True, source="dlc with w = PPO-clipped r (tether)"),
+        Preset("reweight", "total_is", source="DLC's plain reweighting baseline (Li, Zhou, Lan)"),
     )
 }
 

@@ -1,8 +1,9 @@
 """Decorator registries for objectives and mismatch corrections, and parameter checks.
 
 An entry is a pure function. Its positional parameters name the TokenBatch fields it
-reads; its keyword-only parameters are its floats (or strings), and their defaults are
-the estimator's defaults. So the signature is the whole spec: nothing is repeated. An
+reads; its keyword-only parameters are its floats (or strings, or flags), and their
+defaults are the estimator's defaults. So the signature is the whole spec: nothing is
+repeated (an estimator that reads `logp_prox` makes the trainer score pi_prox). An
 objective also registers its source's aggregation (agg), the estimator's default agg.
 """
 
@@ -35,10 +36,14 @@ class Entry:
     formula: str
     source: str
     # Objectives only: w(v) on the generator's top-K head, for centering (None: no centering).
+    # Its positional parameters name fields (topk_logp, topk_logp_old, maybe advantages).
     head_weight: Callable[..., Any] | None = None
+    head_inputs: tuple[str, ...] = ()  # the fields head_weight reads
     head_params: tuple[str, ...] = ()  # the objective's parameters head_weight takes
     # Objectives only: the objective already weighs by pi/mu, so a correction would count twice.
     includes_mismatch: bool = False
+    # Objectives only: a flag parameter that, set, makes the objective weigh by pi/mu.
+    mismatch_flag: str | None = None
     # Objectives only: the aggregation of the objective's source, the estimator's default agg.
     agg: str = "token-mean"
 
@@ -60,6 +65,7 @@ class Registry:
         source: str,
         head_weight: Callable[..., Any] | None = None,
         includes_mismatch: bool = False,
+        mismatch_flag: str | None = None,
         agg: str = "token-mean",
     ) -> Callable[[F], F]:
         def decorator(fn: F) -> F:
@@ -72,6 +78,7 @@ class Registry:
                 source=source,
                 head_weight=head_weight,
                 includes_mismatch=includes_mismatch,
+                mismatch_flag=mismatch_flag,
                 agg=agg,
             )
             return fn
@@ -90,13 +97,17 @@ class Registry:
         inputs = tuple(p.name for p in params if p.kind is p.POSITIONAL_OR_KEYWORD)
         defaults = {p.name: p.default for p in params if p.kind is p.KEYWORD_ONLY}
         head = meta.get("head_weight")
-        # head_weight(topk_logp, topk_logp_old, **some of the objective's own parameters)
-        head_params = tuple(inspect.signature(head).parameters)[2:] if head else ()
+        # head_weight(topk_logp, topk_logp_old[, advantages], **some of the objective's parameters)
+        head_sig = inspect.signature(head).parameters.values() if head else ()
+        head_inputs = tuple(p.name for p in head_sig if p.kind is p.POSITIONAL_OR_KEYWORD)
+        head_params = tuple(p.name for p in head_sig if p.kind is p.KEYWORD_ONLY)
         if not set(head_params) <= set(defaults):
             raise ValueError(f"{self.kind} {name!r}: head_weight takes unknown parameters")
-        entry = Entry(
-            name=name, fn=fn, inputs=inputs, defaults=defaults, head_params=head_params, **meta
-        )
+        flag = meta.get("mismatch_flag")
+        if flag is not None and not isinstance(defaults.get(flag), bool):
+            raise ValueError(f"{self.kind} {name!r}: mismatch_flag {flag!r} is not a flag parameter")
+        entry = Entry(name=name, fn=fn, inputs=inputs, defaults=defaults, head_inputs=head_inputs,
+                      head_params=head_params, **meta)
         self._entries[name] = entry
         return entry
 
@@ -140,6 +151,7 @@ _RULES: dict[str, tuple[Callable[[float], bool], str]] = {
     "tau_neg": (lambda x: 0.0 < x < math.inf, "finite and > 0"),
 }
 _CHOICES: dict[str, tuple[str, ...]] = {"agg": AGGREGATIONS, "length_norm": LENGTH_NORMS}
+_FLAGS = {"include_rho"}
 
 
 def check_params(params: dict[str, Any]) -> dict[str, Any]:
@@ -149,6 +161,11 @@ def check_params(params: dict[str, Any]) -> dict[str, Any]:
     """
     checked: dict[str, Any] = {}
     for name, value in params.items():
+        if name in _FLAGS:
+            if not isinstance(value, bool):
+                raise ValueError(f"parameter {name!r} must be true or false, got {value!r}")
+            checked[name] = value
+            continue
         if name in _CHOICES:
             if value not in _CHOICES[name]:
                 raise ValueError(

@@ -1,14 +1,25 @@
-"""`stale_is`: DLC's staleness importance sampling, truncated.
+"""Truncated token importance sampling: `stale_is` (DLC's staleness part) and `total_is`.
 
+stale_is:
     w_t = min(r_t, C_s),  r_t = pi_theta(y_t) / pi_old(y_t)
     l_t = -sg(w_t) A_t log pi_theta(y_t),  C_s = 2
-
 Source: Li, Zhou, Lan, "On the Origin and Evolution of Training-Inference Mismatch in
 LLM RL" (DLC), the staleness correction; its numerical part is `centering`.
 Corrects: staleness (pi_theta against pi_old, same numerics). With C_s = inf it is the
 unbiased per-prefix importance-sampling estimator of E_{pi_theta(.|h)}[A grad log pi]
 (the prefix distribution stays pi_old's); a finite cap trades that bias for bounded
-variance. Shapes (B, T).
+variance.
+
+total_is (preset `reweight`):
+    w_t = min(pi_theta(y_t) / mu(y_t), C) = min(r_t rho_t, C)
+    l_t = -sg(w_t) A_t log pi_theta(y_t),  C = 2
+Source: DLC's plain-reweighting baseline (the run that drifted 115 sigma off the
+on-policy path): one token IS weight on the whole ratio, staleness and numerics
+together, no centering, no PPO clip, no re-sync. The paper (as summarised in
+shared/seeds) gives no cap; C = 2 is TIS's and stale_is's. Corrects: both, in one
+weight, so pair it with correction `none`. Unbiased per prefix for C = inf; its
+variance grows with the product of both ratios, which is what ESS-triggered re-sync
+watches. Shapes (B, T).
 """
 
 from __future__ import annotations
@@ -16,6 +27,19 @@ from __future__ import annotations
 from tether.estimators.base import ObjectiveTerms, clamp_log_ratio
 from tether.estimators.registry import OBJECTIVES
 from tether.lazy import torch
+
+
+def truncated_is(
+    logp: torch.Tensor,
+    logp_ref: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    cap: float,
+) -> ObjectiveTerms:
+    """-sg(min(pi_theta / pi_ref, cap)) A log pi_theta, for a detached reference log-prob."""
+    ratio = clamp_log_ratio(logp.detach() - logp_ref).exp()  # (B, T) untruncated, detached
+    w = ratio.clamp(max=cap)
+    return ObjectiveTerms(loss=-w * advantages * logp, coef=w, clipped=(ratio > cap) & mask)
 
 
 def stale_is_head_weight(
@@ -42,6 +66,23 @@ def stale_is(
     *,
     stale_cap: float = 2.0,
 ) -> ObjectiveTerms:
-    r = clamp_log_ratio(logp.detach() - logp_old).exp()  # (B, T) untruncated, detached
-    w = r.clamp(max=stale_cap)
-    return ObjectiveTerms(loss=-w * advantages * logp, coef=w, clipped=(r > stale_cap) & mask)
+    return truncated_is(logp, logp_old, advantages, mask, stale_cap)
+
+
+@OBJECTIVES.register(
+    "total_is",
+    corrects="both",
+    level="token",
+    formula="-sg(min(pi/mu, C)) A log pi",
+    source="DLC (Li, Zhou, Lan), plain reweighting baseline",
+    includes_mismatch=True,
+)
+def total_is(
+    logp: torch.Tensor,
+    logp_rollout: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    cap: float = 2.0,
+) -> ObjectiveTerms:
+    return truncated_is(logp, logp_rollout, advantages, mask, cap)

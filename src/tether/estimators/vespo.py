@@ -1,15 +1,20 @@
 """`vespo`: a gamma-shaped weight of the true sequence importance ratio.
 
-    log W_i = sum_t clamp(log r_it) + clamp(log rho_it)    (pi_theta / mu: a product)
+    log W_i = sum_t clamp(log r_it)                       (pi_theta / pi_old: a product)
+            [+ sum_t clamp(log rho_it) with include_rho]  (then pi_theta / mu)
     phi(W)  = W^k exp(lam (1 - W))                        phi(1) = 1, peak at W = k / lam
     l_it    = -sg(phi(W_i)) A_it log pi_theta(y_it)
     (k, lam) = (2, 3) for A >= 0, (3, 2) for A < 0
 
 Source: Shen et al., VESPO, arXiv 2602.10693; code FloyedShen/VESPO
-(`recipe/vespo/code/core_algos.py`), also TRL `get_gamma_weights`. Each term and the
-sum are clamped to +-SAFETY_BOUND as there. Corrects: both (W spans pi_theta to mu, so
-pair it with correction `none`). phi is a smooth, bounded reshaping of the unbiased
-sequence weight W: biased, but the variance stays bounded however stale the data.
+(`recipe/vespo/code/core_algos.py`, `compute_policy_loss_vespo`), also TRL
+`get_gamma_weights`. Each term and the sum are clamped to +-SAFETY_BOUND as there.
+Their W is prod pi_theta / pi_old; rho enters only when verl's rollout correction
+passes `rollout_is_weights`, which the paper's run scripts do not configure: hence
+include_rho = False by default. Corrects: staleness; with include_rho, both (W spans
+pi_theta to mu, and a mismatch correction on top would count rho twice, so it is
+refused). phi is a smooth, bounded reshaping of the unbiased sequence weight W: biased,
+but the variance stays bounded however stale the data.
 The sign of each token's advantage picks (k, lam); with outcome advantages, constant
 over a response, that is the paper's per-sequence choice.
 
@@ -31,12 +36,15 @@ def sequence_log_weight(
     logp_rollout: torch.Tensor,
     mask: torch.Tensor,
     length_norm: str = "none",
+    include_rho: bool = False,
 ) -> torch.Tensor:
-    """log W_i = sum_t log(pi_theta / mu), each term and the sum clamped; (B, 1), detached."""
+    """log W_i = sum_t log(pi_theta / pi_old) (/ mu with include_rho), each term and the sum
+    clamped; (B, 1), detached."""
     maskf = mask.to(logp_old.dtype)
-    log_r = clamp_log_ratio(logp.detach() - logp_old)
-    log_rho = clamp_log_ratio(logp_old - logp_rollout)
-    log_w = ((log_r + log_rho) * maskf).sum(dim=-1, keepdim=True)  # (B, 1)
+    log_w = clamp_log_ratio(logp.detach() - logp_old)
+    if include_rho:
+        log_w = log_w + clamp_log_ratio(logp_old - logp_rollout)
+    log_w = (log_w * maskf).sum(dim=-1, keepdim=True)  # (B, 1)
     if length_norm != "none":
         n = maskf.sum(dim=-1, keepdim=True).clamp(min=1.0)
         log_w = log_w / (n if length_norm == "T" else n.sqrt())
@@ -54,11 +62,11 @@ def gamma_weight(log_w: torch.Tensor, k: torch.Tensor, lam: torch.Tensor) -> tor
 
 @OBJECTIVES.register(
     "vespo",
-    corrects="both",
+    corrects="staleness",
     level="sequence",
-    formula="-sg(phi(W)) A log pi, W = prod_t pi/mu, phi(W) = W^k e^(lam (1 - W))",
+    formula="-sg(phi(W)) A log pi, W = prod_t r (x rho: include_rho), phi(W) = W^k e^(lam (1 - W))",
     source="VESPO (Shen et al., arXiv 2602.10693)",
-    includes_mismatch=True,
+    mismatch_flag="include_rho",
 )
 def vespo(
     logp: torch.Tensor,
@@ -72,8 +80,9 @@ def vespo(
     k_neg: float = 3.0,
     lam_neg: float = 2.0,
     length_norm: str = "none",
+    include_rho: bool = False,
 ) -> ObjectiveTerms:
-    log_w = sequence_log_weight(logp, logp_old, logp_rollout, mask, length_norm)  # (B, 1)
+    log_w = sequence_log_weight(logp, logp_old, logp_rollout, mask, length_norm, include_rho)
     positive = advantages >= 0
     k = torch.where(positive, log_w.new_tensor(k_pos), log_w.new_tensor(k_neg))
     lam = torch.where(positive, log_w.new_tensor(lam_pos), log_w.new_tensor(lam_neg))

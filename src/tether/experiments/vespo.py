@@ -58,7 +58,8 @@ def build(quick: bool = False, seeds: int | None = None) -> Experiment:
               for suffix, replay in (("", []), ("_r2", ["train.routing_replay=r2"]))]
     notes = ["staleness N = train.minibatches on one rollout batch",
              "reference for deviations: N1 x grpo",
-             "moe_N<n>: the MoE tiny model; <method>_r2 replays the logp_old forward's experts"]
+             "moe_N<n>: the MoE tiny model; <method>_r2 replays the logp_old forward's experts",
+             "vespo: W = prod pi_theta/pi_old, without rho, as the paper's scripts"]
     return Experiment("vespo", QUESTION, base, cells, ("N1", "grpo"), notes)
 
 

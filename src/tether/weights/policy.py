@@ -24,7 +24,7 @@ from tether.lazy import torch
 
 ON_TRIP = ("train", "regenerate")
 # Presets whose method includes a sync policy; `sync.policy: auto` picks it.
-PRESET_POLICIES = {"dlc": "ess:0.5"}
+PRESET_POLICIES = {"dlc": "ess:0.5", "dlc_clip": "ess:0.5"}
 DEFAULT_POLICY = "every:1"
 
 
@@ -121,7 +121,7 @@ _FORMS = "every:K, bounded:K, ess:TAU[:max=M] (e.g. ess:0.5:max=8), auto"
 
 
 def resolve_policy_spec(spec: str, estimator: str = "grpo") -> str:
-    """`auto` -> the estimator preset's policy (dlc: ess:0.5) or every:1; others unchanged."""
+    """`auto` -> the estimator preset's policy (dlc, dlc_clip: ess:0.5) or every:1; others unchanged."""
     return PRESET_POLICIES.get(estimator, DEFAULT_POLICY) if spec == "auto" else spec
 
 
