@@ -50,7 +50,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import FlopCounterMode
 
 from tether.config import TrainConfig, load_config
-from tether.estimators import TokenBatch, build_estimator
+from tether.estimators import TokenBatch
 from tether.rollout.hf import HFGenerator, sample_tokens
 from tether.rollout.types import Rollout, SamplingParams
 from tether.rollout.worker import rewarded_rollouts
