@@ -154,11 +154,12 @@ def test_partial_rollout_samples_each_token_from_its_version(two_versions):
 
 
 def test_async_partial_rollouts_train(warm_model_dir, tmp_path):
-    # Long responses (hot sampling rarely ends early) on tiny batches: generating a batch
-    # takes longer than a training step, so weights land mid-batch (seen in 3 of 8 steps).
+    # Long responses (near-uniform sampling at temperature 10 rarely ends early) on tiny
+    # batches: generating a batch takes longer than a training step, so weights land
+    # mid-batch (seen in 8 of 12 steps).
     steps = 12
     train(_cfg(warm_model_dir, tmp_path, f"train.steps={steps}", "loop.partial=true",
-               "loop.max_staleness=1", "rollout.max_new_tokens=24", "rollout.temperature=2.5",
+               "loop.max_staleness=1", "rollout.max_new_tokens=48", "rollout.temperature=10",
                "rollout.prompts_per_step=2", "rollout.group_size=2", "train.lr=1e-3"))
     a = audit(tmp_path / "ledger.jsonl")
     assert a.ok and a.trained == 2 * steps and a.max_staleness <= 1

@@ -154,3 +154,61 @@ def test_run_device(tmp_path):
             resolve_device("cuda:1")
     with pytest.raises(ConfigError, match="run.device"):
         load_config(None, ["run.device=tpu"])
+
+
+def test_shared_prompts_and_length_buckets_are_the_plain_forward(random_model, monkeypatch):
+    """Groups of rows sharing a prompt, responses of many lengths, prompts of several lengths
+    (left padding): the same log-probs and gradients as one dense forward, to float order,
+    with fewer FLOPs."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    V = random_model.config.vocab_size
+    g = torch.Generator().manual_seed(0)
+    rollouts = []
+    for group in range(6):
+        prompt = torch.randint(2, V, (3 + group % 3,), generator=g).tolist()
+        for _ in range(8):
+            n = int(torch.randint(1, 13, (1,), generator=g))
+            rollouts.append(Rollout(prompt_id=str(group), group_id=group, prompt_ids=prompt,
+                                    response_ids=torch.randint(2, V, (n,), generator=g).tolist(),
+                                    logp_rollout=[-1.0] * n, version=0, engine="hf",
+                                    precision="fp32", finish_reason="stop"))
+    batch = collate(rollouts, pad_id=0)
+    sampling = SamplingParams(n=8)
+    monkeypatch.setattr(tether.trainer, "BUCKET_ROWS", 8)
+
+    def run() -> tuple[torch.Tensor, list[torch.Tensor], int]:
+        random_model.zero_grad(set_to_none=True)
+        with FlopCounterMode(display=False) as flops:
+            logp = tether.trainer.score_tokens(random_model, batch, sampling).logp
+            (logp * torch.linspace(-1, 1, logp.numel()).view_as(logp)).sum().backward()
+        return logp.detach(), [p.grad.clone() for p in random_model.parameters()], flops.get_total_flops()
+
+    fast, fast_grads, fast_flops = run()
+    monkeypatch.setattr(tether.trainer, "decode_shared_prompts", lambda *a: None)
+    plain, plain_grads, plain_flops = run()
+    torch.testing.assert_close(fast, plain, rtol=0, atol=2e-6)
+    for a, b in zip(fast_grads, plain_grads, strict=True):
+        assert float((a - b).norm()) <= 1e-5 * float(b.norm()) + 1e-7
+    assert fast_flops < 0.7 * plain_flops
+
+
+def test_generation_shares_prefill_and_drops_finished_rows_without_changing_a_token(warm_model_dir):
+    """Greedy decoding (no random draws): the compacting, prefix-sharing decode gives the
+    tokens of the plain one (every row forwarded at every step), log-probs to float order."""
+    from tether.models import load_model
+    from tether.rollout.hf import sample_tokens
+    from tether.tasks import CountdownTask
+
+    model, tok = load_model(warm_model_dir)
+    task = CountdownTask()
+    prompts = [tok(task.train_problem(i).prompt)["input_ids"] for i in range(24) for _ in range(2)]
+    greedy = SamplingParams(n=1, temperature=0.0, max_new_tokens=12, logprobs_topk=3)
+    fast = sample_tokens(model, prompts, greedy, None, tok.eos_token_id, tok.pad_token_id)
+    plain = sample_tokens(model, prompts, greedy, None, tok.eos_token_id, tok.pad_token_id,
+                          after_forward=lambda *a: None)  # a recorder: every row, every step
+    assert len({len(ids) for ids, *_ in fast}) > 1  # rows did finish at different steps
+    for (ids, lp, tk, tlp, fin), (ids2, lp2, tk2, tlp2, fin2) in zip(fast, plain, strict=True):
+        assert ids == ids2 and tk == tk2 and fin == fin2
+        torch.testing.assert_close(torch.tensor(lp), torch.tensor(lp2), rtol=0, atol=1e-5)
+        torch.testing.assert_close(torch.tensor(tlp), torch.tensor(tlp2), rtol=0, atol=1e-5)

@@ -96,8 +96,9 @@ def test_gradients_reach_the_router_under_replay(moe, replay):
     grads = _router_grads(moe, replayed)
     assert all(torch.isfinite(g).all() and g.abs().sum() > 0 for g in grads)
     if replay == "r2":  # its own routing at the same weights: the very gradient of no replay
-        plain = _router_grads(moe, batch)
-        assert all(torch.equal(a, b) for a, b in zip(grads, plain))
+        plain = _router_grads(moe, batch)  # (up to float order: it runs each prompt once)
+        for a, b in zip(grads, plain, strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
 def test_r2_at_the_same_weights_changes_no_logprob(moe):
@@ -109,7 +110,8 @@ def test_r2_at_the_same_weights_changes_no_logprob(moe):
     _, logp = trainer.train_on(replayed, group_advantages(batch.rewards, batch.group_ids, True),
                                logp_old, None)
     moe.load_state_dict(state)
-    assert torch.equal(logp_old, base) and torch.equal(logp, base)  # bit for bit
+    assert torch.equal(logp, logp_old)  # bit for bit: both forwards replay the same experts
+    torch.testing.assert_close(logp, base, rtol=0, atol=1e-6)  # base: each prompt run once
 
 
 def test_routes_cost_one_byte_per_token_layer_and_expert(moe):

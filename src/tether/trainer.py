@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
-from transformers import PreTrainedModel
+from transformers import DynamicCache, PreTrainedModel
 
 from tether.config import TrainConfig
 from tether.distributed import Shard, TrainerRanks
@@ -134,7 +134,7 @@ def _routes_buffer(rollouts: list[Rollout], width: int) -> torch.Tensor | None:
 
 def decode(
     model: PreTrainedModel, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-    routed_experts: torch.Tensor | None = None, record: bool = False,
+    routed_experts: torch.Tensor | None = None, record: bool = False, prompt_len: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The trainer's one forward, up to the output embedding: hidden states (B, L, H) of
     left-padded rows, and with `record` the experts each MoE layer chose (B, L, layers, k)
@@ -143,14 +143,69 @@ def decode(
     `routed_experts` (B, L, layers, k): replay these experts instead of the routers' top-k,
     gate weights from the model's own router logits (tether.models.routing). The output
     embedding is applied by the caller, to the positions it needs (`score_tokens`: only
-    the sampled tokens', a chunk at a time).
+    the sampled tokens', a chunk at a time). `prompt_len` > 0: the first `prompt_len`
+    columns are prompts, which rows may share (`decode_shared_prompts`).
     """
     position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
+    if 0 < prompt_len < input_ids.shape[1] and routed_experts is None and not record:
+        hidden = decode_shared_prompts(model, input_ids, attention_mask, position_ids, prompt_len)
+        if hidden is not None:
+            return hidden, None
     with route(model, routed_experts, record) as routes:
         hidden = model.get_decoder()(input_ids=input_ids, attention_mask=attention_mask,
                                      position_ids=position_ids).last_hidden_state
         experts = routes.pop(tuple(input_ids.shape)) if routes is not None else None
     return hidden, experts
+
+
+# Responses run in buckets of about this many rows of similar length, each cut to its own
+# longest response: a batch's responses end at different lengths (eos), and a dense
+# (rows, longest) forward would spend the difference on padding.
+BUCKET_ROWS = 32
+
+
+def decode_shared_prompts(
+    model: PreTrainedModel, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+    position_ids: torch.Tensor, prompt_len: int,
+) -> torch.Tensor | None:
+    """`decode` of left-padded prompts then right-padded responses, with less compute:
+
+    - each distinct prompt runs once (a group's G responses share it); its keys and
+      values are indexed out to the rows that continue it, whose backward sums their
+      gradients into it;
+    - the responses run in buckets of `BUCKET_ROWS` rows sorted by length, each bucket
+      only as long as its longest response.
+
+    The same function as the plain forward, up to float summation order: hidden states
+    (B, L, H), zero at the response padding no bucket computed. None when it saves
+    nothing (every prompt distinct and every response as long as the longest).
+    """
+    B, L = input_ids.shape
+    P = prompt_len
+    key = torch.cat([input_ids[:, :P], attention_mask[:, :P]], dim=1)
+    distinct, inverse = torch.unique(key, dim=0, return_inverse=True)
+    lengths = attention_mask[:, P:].sum(dim=1)
+    if distinct.shape[0] == B and bool((lengths == L - P).all()):
+        return None
+    decoder = model.get_decoder()
+    cache = DynamicCache()
+    prompts = decoder(input_ids=distinct[:, :P], attention_mask=distinct[:, P:],
+                      position_ids=(distinct[:, P:].cumsum(-1) - 1).clamp(min=0),
+                      past_key_values=cache, use_cache=True).last_hidden_state  # (U, P, H)
+    kv = [(layer.keys, layer.values) for layer in cache.layers]  # (U, heads, P, d) each
+    order = lengths.argsort(stable=True)
+    parts = []
+    for rows in order.split(BUCKET_ROWS):
+        t = int(lengths[rows].max())
+        bucket = DynamicCache()
+        for i, (k, v) in enumerate(kv):
+            bucket.update(k[inverse[rows]], v[inverse[rows]], i)
+        h = decoder(input_ids=input_ids[rows, P:P + t], attention_mask=attention_mask[rows, :P + t],
+                    position_ids=position_ids[rows, P:P + t], past_key_values=bucket,
+                    use_cache=True).last_hidden_state  # (rows, t, H)
+        parts.append(torch.nn.functional.pad(h, (0, 0, 0, L - P - t)))
+    responses = torch.cat(parts)[order.argsort()]  # back to the batch's row order
+    return torch.cat([prompts[inverse], responses], dim=1)
 
 
 def forward(
@@ -194,7 +249,7 @@ def score_tokens(model: PreTrainedModel, batch: RolloutTensors, sampling: Sampli
     routed = None if batch.routed_experts is None else batch.routed_experts[:, lo:hi]
     with autocast(batch.input_ids.device, precision):
         hidden, experts = decode(model, batch.input_ids[:, lo:hi], batch.attention_mask[:, lo:hi],
-                                 routed, record)
+                                 routed, record, prompt_len=P - lo)
     if experts is not None:  # back to the batch's width, padding routed as `pad_routes`
         full = pad_routes(B, P + T, *experts.shape[2:], experts.dtype)
         full[:, lo:hi] = experts

@@ -99,7 +99,8 @@ class HFGenerator:
                     columns.append(routes.pop(shape)[:, -new:])
 
             out = sample_tokens(self.model, rows, sampling, g, self.eos_id, self.pad_id,
-                                before_step if refresh is not None else None, after_forward)
+                                before_step if refresh is not None else None,
+                                after_forward if routes is not None else None)
         L = max(len(p) for p in rows)
         experts = torch.cat(columns, dim=1) if columns else None  # (B, L + steps, layers, k)
         rollouts = []
@@ -127,6 +128,19 @@ class HFGenerator:
         return rollouts
 
 
+def _shared_prefill(model: PreTrainedModel, input_ids: torch.Tensor, attn: torch.Tensor,
+                    position_ids: torch.Tensor, cache: DynamicCache) -> torch.Tensor:
+    """The prefill's last logits (B, V), each distinct prompt row forwarded once; `cache`
+    then holds every row's keys and values."""
+    distinct, inverse = torch.unique(input_ids, dim=0, return_inverse=True)
+    first = torch.empty(distinct.shape[0], dtype=torch.long, device=input_ids.device)
+    first.scatter_(0, inverse, torch.arange(input_ids.shape[0], device=input_ids.device))
+    logits = model(input_ids=distinct, attention_mask=attn[first], position_ids=position_ids[first],
+                   past_key_values=cache, use_cache=True, logits_to_keep=1).logits[:, -1, :]
+    cache.reorder_cache(inverse)
+    return logits[inverse]
+
+
 def sample_tokens(
     model: PreTrainedModel,
     prompts: list[list[int]],
@@ -146,30 +160,42 @@ def sample_tokens(
     `after_forward((B, S), new)` runs after each forward over S positions, of which the
     last `new` are positions no earlier forward sampled from (the prompt at the prefill,
     then one per step; a recomputed prefix keeps what it had when it was sampled).
+    Without `after_forward`, rows with the same prompt (a group) share its prefill (each
+    distinct prompt is run once and its KV cache indexed out to its rows), and a row that
+    has sampled eos leaves the batch: later steps forward only the rows still sampling.
     Returns per row: token ids, their log-probs, optional top-K ids and log-probs,
     and the finish reason.
     """
-    B = len(prompts)
+    B, N, K, dev = len(prompts), sampling.max_new_tokens, sampling.logprobs_topk, model.device
     L = max(len(p) for p in prompts)
     input_ids = torch.full((B, L), pad_id, dtype=torch.long)
     attn = torch.zeros((B, L), dtype=torch.long)
     for i, p in enumerate(prompts):
         input_ids[i, L - len(p):] = torch.tensor(p)
         attn[i, L - len(p):] = 1
-    input_ids, attn = input_ids.to(model.device), attn.to(model.device)
+    input_ids, attn = input_ids.to(dev), attn.to(dev)
+    compact = after_forward is None  # recorded routes need every row at every step
+    # Every row's samples; a row that finished keeps pad (and log-prob 0) from then on.
+    tokens = torch.full((B, N), pad_id, dtype=torch.long, device=dev)
+    logps = torch.zeros(B, N, device=dev)
+    tk_ids = torch.zeros(B, N, K, dtype=torch.long, device=dev) if K else None
+    tk_logp = torch.zeros(B, N, K, device=dev) if K else None
+    rows = torch.arange(B, device=dev)  # the rows in the batch (the cache's order)
+    done = torch.zeros(B, dtype=torch.bool, device=dev)
     cache = DynamicCache()
-    done = torch.zeros(B, dtype=torch.bool, device=model.device)
-    tokens, logps, tk_ids, tk_logp = [], [], [], []
-    step_ids, _step_attn = input_ids, attn
-    for step in range(sampling.max_new_tokens):
-        if before_step is not None and before_step() and tokens:
+    step_ids, steps = input_ids, 0
+    for step in range(N):
+        if before_step is not None and before_step() and step:
             cache = DynamicCache()  # weights changed: prefill the prefixes again
-            step_ids = torch.cat([input_ids, torch.stack(tokens, 1)], dim=1)
+            step_ids = torch.cat([input_ids[rows], tokens[rows, :step]], dim=1)
         position_ids = (attn.cumsum(-1) - 1).clamp(min=0)[:, -step_ids.shape[1]:]
-        logits = model(
-            input_ids=step_ids, attention_mask=attn, position_ids=position_ids,
-            past_key_values=cache, use_cache=True,
-        ).logits[:, -1, :]  # (B, V)
+        if step == 0 and compact:
+            logits = _shared_prefill(model, input_ids, attn, position_ids, cache)
+        else:
+            logits = model(
+                input_ids=step_ids, attention_mask=attn, position_ids=position_ids,
+                past_key_values=cache, use_cache=True, logits_to_keep=1,
+            ).logits[:, -1, :]  # (rows, V)
         if after_forward is not None:
             after_forward(tuple(step_ids.shape), L if step == 0 else 1)
         logp_all = process_logits(logits, sampling.temperature, sampling.top_k, sampling.top_p)
@@ -177,28 +203,31 @@ def sample_tokens(
             nxt = torch.multinomial(logp_all.exp(), 1, generator=g).squeeze(-1)
         else:
             nxt = logits.argmax(-1)
-        nxt = torch.where(done, torch.full_like(nxt, pad_id), nxt)
-        tokens.append(nxt)
-        logps.append(logp_all.gather(-1, nxt[:, None]).squeeze(-1))
-        if sampling.logprobs_topk > 0:
-            v, ix = torch.topk(logp_all, sampling.logprobs_topk, dim=-1)
-            tk_ids.append(ix)
-            tk_logp.append(v)
+        nxt = torch.where(done, pad_id, nxt)
+        tokens[rows, step] = nxt
+        logps[rows, step] = logp_all.gather(-1, nxt[:, None]).squeeze(-1)
+        if K:
+            tk_logp[rows, step], tk_ids[rows, step] = torch.topk(logp_all, K, dim=-1)
+        steps = step + 1
         alive = ~done
         done = done | (nxt == eos_id)
-        step_ids = nxt[:, None]
-        attn = torch.cat([attn, alive.long()[:, None]], dim=1)
         if bool(done.all()):
             break
-    toks = torch.stack(tokens, 1).cpu()  # (B, T): to the host once, for the lists
-    lps = torch.stack(logps, 1).cpu()
-    tk_ids, tk_logp = [t.cpu() for t in tk_ids], [t.cpu() for t in tk_logp]
+        if compact and bool(done.any()):  # finished rows leave the batch and the cache
+            keep = (~done).nonzero().squeeze(1)
+            cache.batch_select_indices(keep)
+            rows, nxt, attn, alive, done = rows[keep], nxt[keep], attn[keep], alive[keep], done[keep]
+        step_ids = nxt[:, None]
+        attn = torch.cat([attn, alive.long()[:, None]], dim=1)
+    toks, lps = tokens[:, :steps].cpu(), logps[:, :steps].cpu()  # to the host once, for lists
+    tk_ids = None if tk_ids is None else tk_ids[:, :steps].cpu()
+    tk_logp = None if tk_logp is None else tk_logp[:, :steps].cpu()
     results = []
     for i in range(B):
         row = toks[i].tolist()
         n = row.index(eos_id) + 1 if eos_id in row else len(row)
         finish = "stop" if eos_id in row else "length"
-        ids = [tk_ids_i[i].tolist() for tk_ids_i in tk_ids[:n]] if tk_ids else None
-        lp = [tk_logp_i[i].tolist() for tk_logp_i in tk_logp[:n]] if tk_logp else None
+        ids = None if tk_ids is None else tk_ids[i, :n].tolist()
+        lp = None if tk_logp is None else tk_logp[i, :n].tolist()
         results.append((row[:n], lps[i, :n].tolist(), ids, lp, finish))
     return results
