@@ -38,13 +38,17 @@ def _cfg(model_dir, run_dir, *extra):
 def test_two_workers_bounded_staleness_every_prompt_accounted_for(warm_model_dir, tmp_path):
     steps, eta = 10, 2
     train(_cfg(warm_model_dir, tmp_path, f"train.steps={steps}", "loop.workers=2",
-               f"loop.max_staleness={eta}", "train.lr=1e-3"))
+               f"loop.max_staleness={eta}", "train.lr=1e-3", "eval.every=5", "eval.samples=2"))
     a = audit(tmp_path / "ledger.jsonl")
     assert a.ok, a.problems
     assert a.open == [] and a.trained == steps * 4 and sum(a.dropped.values()) == 0
     # Generation outpaces training here, so the queue fills to the bound and it binds.
     assert a.max_staleness == eta
-    rows = read_jsonl(tmp_path / "metrics.jsonl")[1:]
+    rows = read_jsonl(tmp_path / "metrics.jsonl")
+    # The trainer-side probe: held-out accuracy and reward at step 0, every 5 and the last.
+    probed = [r["step"] for r in rows if {"eval/accuracy_sampled", "eval/reward_sampled"} <= r.keys()]
+    assert probed == [0, 5, 10]
+    rows = rows[1:]
     assert [r["step"] for r in rows] == list(range(1, steps + 1))
     assert max(r["staleness/versions/max"] for r in rows) == eta
     assert {r["async/worker"] for r in rows} == {0.0, 1.0}  # both workers made batches

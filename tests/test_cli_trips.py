@@ -153,7 +153,7 @@ def _default(fn, name):
 
 
 def test_library_defaults_match_the_config_defaults():
-    from tether.evaluate import greedy_accuracy, heldout_accuracy
+    from tether.evaluate import greedy_accuracy, heldout_scores
     from tether.models import ensure_default_model
     from tether.monitor import current_model_monitor
     from tether.rollout import SamplingParams
@@ -173,7 +173,7 @@ def test_library_defaults_match_the_config_defaults():
         "model.cache_dir": (cfg.model.cache_dir, _default(ensure_default_model, "cache_dir")),
         "model.seed": (cfg.model.seed, _default(ensure_default_model, "seed")),
         "model.moe": (cfg.model.moe, _default(ensure_default_model, "moe")),
-        "eval.batch_size": (cfg.eval.batch_size, _default(heldout_accuracy, "batch_size")),
+        "eval.batch_size": (cfg.eval.batch_size, _default(heldout_scores, "batch_size")),
         "eval.batch_size (greedy)": (cfg.eval.batch_size, _default(greedy_accuracy, "batch_size")),
         "diagnostics.rare_prob": (cfg.diagnostics.rare_prob,
                                   _default(current_model_monitor, "rare_prob")),

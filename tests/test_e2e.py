@@ -11,6 +11,9 @@ from transformers import AutoModelForCausalLM
 from tether.config import load_config
 from tether.logger import read_jsonl
 from tether.loops import train
+from tether.models import build_char_tokenizer, ensure_default_model
+from tether.models.warmstart import sft_batch
+from tether.tasks import ALPHABET, CountdownTask
 
 STEPS = 16
 
@@ -69,3 +72,31 @@ def test_init_model_prints_a_loadable_directory(warm_model_dir):
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == str(warm_model_dir)
     assert json.loads((warm_model_dir / "config.json").read_text())["model_type"] == "qwen3"
+
+
+def test_steps_answer_warm_starts_and_trains(tmp_path, warm_model_dir):
+    # answer=expr keeps the key the default models were cached under before the option.
+    assert ensure_default_model(warm_model_dir.parent, warmstart_steps=120, verbose=False,
+                                task_kwargs={"answer": "expr"}) == warm_model_dir
+    # The warm start's targets are step chains: labels = the chain, then eos.
+    task = CountdownTask(num_numbers=5, answer="steps", eval_size=4)
+    tok = build_char_tokenizer(ALPHABET)
+    _, labels = sft_batch(task, tok, 0, 2)
+    for i in range(2):
+        target = tok.decode([t for t in labels[i].tolist() if t != -100])
+        assert target == task.train_problem(i).solution + "<eos>"
+        assert task.reward(task.train_problem(i), task.train_problem(i).solution).total == 1.0
+    # 3 warm-start steps into a fresh cache, then one RL step on the steps format.
+    cfg = load_config("configs/countdown_steps.yaml", [
+        f"model.cache_dir={tmp_path / 'models'}", "model.warmstart_steps=3",
+        f"run.dir={tmp_path / 'run'}", "train.steps=1", "rollout.prompts_per_step=2",
+        "rollout.group_size=2", "task.eval_size=4", "eval.samples=2", "eval.batch_size=4",
+        "run.progress=false"])
+    result = train(cfg)
+    (model_dir,) = (tmp_path / "models").iterdir()
+    assert model_dir.name.startswith("tiny-dense-") and model_dir != warm_model_dir
+    rows = read_jsonl(tmp_path / "run" / "metrics.jsonl")
+    assert [r["step"] for r in rows] == [0, 1] and rows[1]["version"] == 1
+    assert 1 <= rows[1]["response/length_mean"] <= 48
+    assert {"eval/accuracy_sampled", "eval/reward_sampled"} <= rows[1].keys()
+    assert (result.run_dir / "final" / "model.safetensors").is_file()

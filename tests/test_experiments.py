@@ -9,6 +9,7 @@ from __future__ import annotations
 import base64
 import csv
 import json
+import math
 import re
 import time
 
@@ -67,6 +68,9 @@ def test_quick_experiment_tables_resume_and_report(name, tmp_path, warm_model_di
     for fname in re.findall(r"!\[[^\]]*\]\(([^)]+)\)", md):
         assert (out / "report" / fname).is_file()
     assert "| " + exp.reference[0] + " |" in md  # the table, with the reference group's row
+    # The headline is the trainer's; the batch reward is labelled as the generator's.
+    assert re.search(r"final trainer-side eval/accuracy(_sampled)? \d", md)
+    assert "final generator-side batch reward" in md
 
 
 def test_cell_stats_by_hand():
@@ -87,6 +91,23 @@ def test_cell_stats_by_hand():
     rows += [{"step": 10 + i, "reward/mean": 0.0} for i in range(3)]
     s = analysis.cell_stats(rows)
     assert s["collapsed"] and s["collapse_step"] == 10  # mean of (0.3,0.2,0.1,0.1,0) = 0.14
+
+
+def test_trainer_headline_prefers_sampled_accuracy():
+    # Greedy accuracy every eval; the sampled accuracy and reward only where eval.samples > 0.
+    greedy = [{"step": 0, "eval/accuracy": 0.5}, {"step": 1, "reward/mean": 0.9},
+              {"step": 2, "reward/mean": 0.8, "eval/accuracy": 0.25}]
+    assert analysis.trainer_headline(greedy) == "eval/accuracy"
+    s = analysis.cell_stats(greedy)
+    assert (s["trainer_metric"], s["final_trainer"]) == ("eval/accuracy", 0.25)
+    assert math.isnan(s["final_reward_sampled"])
+    sampled = [{**r, "eval/accuracy_sampled": 0.3 - 0.1 * i, "eval/reward_sampled": 0.4 - 0.1 * i}
+               if "eval/accuracy" in r else r for i, r in enumerate(greedy)]
+    assert analysis.trainer_headline(sampled) == "eval/accuracy_sampled"
+    s = analysis.cell_stats(sampled)
+    # The last eval row (step 2, i = 2): 0.3 - 0.2 and 0.4 - 0.2; the batch reward stays 0.8-0.9.
+    assert s["final_trainer"] == pytest.approx(0.1) and s["final_reward_sampled"] == pytest.approx(0.2)
+    assert s["final_reward"] == 0.8  # generator-side: the last W = max(1, 2 // 4) = 1 step
 
 
 def test_probe_kl_is_zero_on_itself_and_positive_otherwise():

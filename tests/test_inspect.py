@@ -91,6 +91,10 @@ def test_inspect_prints_the_summary_and_writes_plots(dlc_run, tmp_path, capsys):
     text = capsys.readouterr().out
     print(text)
     assert "mismatch by cause" in text and "dominates" in text
+    # Trainer-side held-out numbers first (step 0 and the last step), the batch reward labelled.
+    assert re.search(r"trainer-side, held out: eval/accuracy .*eval/accuracy_sampled .*"
+                     r"eval/reward_sampled \d\.\d{3} -> \d\.\d{3}", text)
+    assert "generator-side batch reward (reward/mean" in text
     assert "vs tau = 0.95" in text and "syncs:" in text and "monitor" in text
     # fp8 generator lagging with lr 3e-3: both causes, so tether probe's rule says dlc
     assert "recommendation (both): train.estimator=dlc sync.policy=ess:0.5" in text

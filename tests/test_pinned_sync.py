@@ -4,10 +4,11 @@ The loop was restructured around one shared step (issue 11); these runs were rec
 before the restructure and stayed bit-identical through it. Re-recorded once since, for
 issue 15's float-order changes (padding columns cut per micro-batch, the output embedding
 on the sampled tokens only, vectorised group advantages): the largest change of any metric
-was 2e-7 relative (3.6e-5 on a sequence chi^2 of 198.67). Re-recorded again for a change of
-trajectory: the generator forwards only the rows still sampling, so a finished row no longer
-takes a random draw and later rows' samples differ (and the trainer runs each prompt once,
-responses in length buckets: float order). Two configurations cover the paths
+was 2e-7 relative (3.6e-5 on a sequence chi^2 of 198.67). Re-recorded for the new key
+eval/reward_sampled (issue 13); every other value and the weights were unchanged. Re-recorded
+again for a change of trajectory: the generator forwards only the rows still sampling, so a
+finished row no longer takes a random draw and later rows' samples differ (and the trainer
+runs each prompt once, responses in length buckets: float order). Three configurations cover the paths
 the step takes: an fp8 generator lagging one version with two optimizer steps per batch
 (kept snapshots, lagged deliveries), dlc with an ESS trip that regenerates the batch
 (centering over the top-K, re-syncs), and an ESS trip measured on the training forward. Float results depend on the CPU's vector kernels:

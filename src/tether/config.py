@@ -90,6 +90,11 @@ class CountdownTaskConfig(_Node):
         0.0, ge=0.0, le=1.0,
         description="Reward for a well-formed answer with allowed numbers that misses the target.",
     )
+    answer: Literal["expr", "steps"] = Field(
+        "expr", description="How the answer is written: one expression '(9-3)*7', or its steps "
+        "'9-3=6,7*6=42' (each number, given or intermediate, used at most once; responses "
+        "several times longer). The default model is warm-started on this format.",
+    )
 
     @model_validator(mode="after")
     def _ranges(self) -> CountdownTaskConfig:

@@ -21,7 +21,7 @@ MODEL_CACHE_DIR = "~/.cache/tether/models"
 """model.cache_dir; ensure_default_model(cache_dir=)."""
 
 EVAL_BATCH_SIZE = 200
-"""eval.batch_size; heldout_accuracy / greedy_accuracy(batch_size=)."""
+"""eval.batch_size; heldout_scores / greedy_accuracy(batch_size=)."""
 
 RARE_PROB = 0.05
 """diagnostics.rare_prob; current_model_monitor(rare_prob=)."""

@@ -93,16 +93,20 @@ def summarize(rows: list[dict[str, Any]], cfg: dict[str, Any], tau: float | None
         f"sync {sync.get('policy', '?')}, lag {sync.get('lag', 0)}, on_trip {sync.get('on_trip', '-')}"
         f"   minibatches {cfg.get('train', {}).get('minibatches', 1)}"
     )]
+    # Trainer-side first: the held-out set sampled at the trainer's weights (docs/metrics.md).
+    acc_steps, acc = series(rows, "eval/accuracy")
+    if acc:
+        line = (f"trainer-side, held out: eval/accuracy {acc[0]:.3f} (step {acc_steps[0]}) -> "
+                f"{acc[-1]:.3f} (step {acc_steps[-1]})")
+        for key in ("eval/accuracy_sampled", "eval/reward_sampled"):
+            _, v = series(rows, key)
+            if v:
+                line += f"   {key} {v[0]:.3f} -> {v[-1]:.3f}"
+        out.append(line)
     _, rew = series(train_rows, "reward/mean")
     k = max(1, len(rew) // 5)
-    acc_steps, acc = series(rows, "eval/accuracy")
-    line = f"reward/mean: first {k} steps {_fmt(_mean(rew[:k]))} -> last {k} {_fmt(_mean(rew[-k:]))}"
-    if acc:
-        line += f"   eval/accuracy: {acc[0]:.3f} (step {acc_steps[0]}) -> {acc[-1]:.3f} (step {acc_steps[-1]})"
-    _, sampled = series(rows, "eval/accuracy_sampled")
-    if sampled:
-        line += f"   sampled: {sampled[0]:.3f} -> {sampled[-1]:.3f}"
-    out.append(line)
+    out.append(f"generator-side batch reward (reward/mean, at the generator's weights): first {k} "
+               f"steps {_fmt(_mean(rew[:k]))} -> last {k} {_fmt(_mean(rew[-k:]))}")
 
     # Decomposition by window: which cause dominates the k3 KL.
     out += ["", "mismatch by cause, k3 KL per token (window means); dominant = larger of the two causes",
@@ -269,13 +273,17 @@ def plot(rows: list[dict[str, Any]], cfg: dict[str, Any], out_dir: Path,
                              squeeze=False)
     ax = axes[0][0]
     s, v = series(train_rows, "reward/mean")
-    ax.plot(s, v, color="tab:blue", marker=".", label="reward/mean (sampled)")
+    ax.plot(s, v, color="tab:blue", marker=".", label="reward/mean (generator-side batch reward)")
     s, v = series(rows, "eval/accuracy")
     if s:
         ax.plot(s, v, color="tab:green", marker="o", label="eval/accuracy (greedy, held out)")
     s, v = series(rows, "eval/accuracy_sampled")
     if s:
         ax.plot(s, v, color="tab:olive", marker="^", ls=":", label="eval/accuracy_sampled (held out)")
+    s, v = series(rows, "eval/reward_sampled")
+    if s:
+        ax.plot(s, v, color="tab:cyan", marker="v", ls=":",
+                label="eval/reward_sampled (held out, trainer-side)")
     mark_syncs(ax)
     ax.set_ylabel("reward / accuracy")
     ax.set_title(f"Learning\n{title}")

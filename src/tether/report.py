@@ -173,7 +173,7 @@ def vespo_figure(groups: list[dict], path: Path) -> Path | None:
     ax.set_xticks(sorted({int(g["scenario"][1:]) for g in groups}))
     ax.get_xaxis().set_major_formatter(plt.ScalarFormatter())
     ax.set_xlabel("staleness N (optimizer steps per rollout batch)")
-    ax.set_ylabel("final reward (mean of last quarter)")
+    ax.set_ylabel("final generator-side batch reward\n(mean of last quarter)")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     ax.set_title("Which objective keeps its reward as N grows?", fontsize=10)
@@ -216,9 +216,14 @@ def make_figures(out: Path, meta: dict, summary: dict, figdir: Path) -> list[tup
         if path is not None:
             figs.append((path, title))
 
-    q = "Does the reward under each method follow the on-policy run (dashed)?"
-    add(curves_figure(out, meta, "reward/mean", "reward (running mean of 5)", q,
-                      figdir / "reward.png", smooth_w=5), q)
+    q = "Does the generator-side batch reward under each method follow the on-policy run (dashed)?"
+    add(curves_figure(out, meta, "reward/mean", "generator-side batch reward (running mean of 5)",
+                      q, figdir / "reward.png", smooth_w=5), q)
+    # Trainer-side: held-out, sampled at the trainer's weights (absent when eval.samples=0).
+    for key, label, fname in (("eval/accuracy_sampled", "held-out accuracy (sampled)", "accuracy_sampled.png"),
+                              ("eval/reward_sampled", "held-out reward (sampled)", "reward_sampled.png")):
+        q = f"Does the trained policy's {label}, at the trainer's weights, follow the on-policy run (dashed)?"
+        add(curves_figure(out, meta, key, label, q, figdir / fname), q)
     q = "Does held-out greedy accuracy under each method follow the on-policy run (dashed)?"
     add(curves_figure(out, meta, "eval/accuracy", "held-out accuracy (greedy)", q,
                       figdir / "accuracy.png"), q)
@@ -299,10 +304,12 @@ def build_report(out: str | Path, command: str | None = None) -> tuple[Path, Pat
     timing = json.loads((out / "timing.json").read_text()) if (out / "timing.json").is_file() else []
     failed = json.loads((out / "failed.json").read_text()) if (out / "failed.json").is_file() else {}
     groups = summary["groups"]
-    ref_line = (f"On-policy reference {meta['reference'][0]} x {meta['reference'][1]}: final reward "
-                f"{analysis.fmt(summary['reference_reward'])} (σ {analysis.fmt(summary['reference_reward_sigma'])}), "
-                f"final accuracy {analysis.fmt(summary['reference_accuracy'])} "
-                f"(σ {analysis.fmt(summary['reference_accuracy_sigma'])}).")
+    ref_line = (f"On-policy reference {meta['reference'][0]} x {meta['reference'][1]}: final "
+                f"trainer-side {summary['trainer_metric']} {analysis.fmt(summary['reference_trainer'])} "
+                f"(σ {analysis.fmt(summary['reference_trainer_sigma'])}), final greedy accuracy "
+                f"{analysis.fmt(summary['reference_accuracy'])} (σ {analysis.fmt(summary['reference_accuracy_sigma'])}), "
+                f"final generator-side batch reward {analysis.fmt(summary['reference_reward'])} "
+                f"(σ {analysis.fmt(summary['reference_reward_sigma'])}).")
     run_line = "; ".join(f"{t['cells_run']} cells in {t['wall_seconds']:.0f} s on {t['workers']} "
                          f"worker(s)" for t in timing)
     # Markdown.

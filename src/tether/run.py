@@ -20,7 +20,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from tether.checkpoint import RunState, check_fresh_run_dir, load_checkpoint
 from tether.config import Config, dump_config, resolve_logprobs_topk
 from tether.errors import InputError
-from tether.evaluate import greedy_accuracy, heldout_accuracy
+from tether.evaluate import greedy_accuracy, heldout_scores
 from tether.guards import check_prompts
 from tether.logger import RunLogger, open_logger
 from tether.models import ensure_default_model, load_model
@@ -72,15 +72,18 @@ class Run:
         return start, log
 
     def evaluate(self) -> dict[str, float]:
-        """Held-out accuracy at the trainer's weights, greedy and sampled like the rollouts."""
+        """Held-out accuracy at the trainer's weights, greedy and sampled like the rollouts,
+        and the sampled responses' mean reward: the trainer-side counterpart of the batch's
+        reward/mean, which is the generator's (weights possibly versions old)."""
         cfg, r = self.cfg, self.cfg.rollout
         out = {"eval/accuracy": greedy_accuracy(self.model, self.tokenizer, self.task,
                                                 r.max_new_tokens, cfg.eval.batch_size)}
         if cfg.eval.samples:
-            out["eval/accuracy_sampled"] = heldout_accuracy(
+            sampled = heldout_scores(
                 self.model, self.tokenizer, self.task,
                 replace(self.sampling, n=cfg.eval.samples, logprobs_topk=0),
-                seed=cfg.run.seed + 7919, batch_size=cfg.eval.batch_size)
+                seed=cfg.run.seed + 7919, batch_size=cfg.eval.batch_size, reward_fn=self.reward_fn)
+            out |= {"eval/accuracy_sampled": sampled.accuracy, "eval/reward_sampled": sampled.reward}
         return out
 
     def eval_due(self, step: int) -> bool:

@@ -2,7 +2,11 @@
 
 Definitions (also in docs/experiments.md):
 - final reward: mean `reward/mean` over the last W = max(1, steps // 4) steps (one step is
-  noisy); final accuracy: the last `eval/accuracy` (greedy, held-out).
+  noisy): the generator-side batch reward, sampled at weights that may be versions old;
+  final accuracy: the last `eval/accuracy` (greedy, held-out).
+- final trainer-side: the last value of the run's trainer-side headline
+  (`trainer_headline`: `eval/accuracy_sampled`, else `eval/accuracy` when a run sampled no
+  held-out responses); final sampled reward: the last `eval/reward_sampled` (docs/metrics.md).
 - on-policy sigma: the sample standard deviation (ddof 1) of the reference group's per-seed
   final value; needs >= 2 reference seeds, otherwise the deviations are NaN.
 - deviation in sigma (reward or accuracy): |mean over the group's seeds - reference mean|
@@ -36,6 +40,9 @@ import torch
 from tether.logger import read_jsonl
 
 PROBE_PROMPTS = 64
+
+TRAINER_HEADLINES = ("eval/accuracy_sampled", "eval/accuracy")
+"""Trainer-side headline metrics, preferred first: sampled like the rollouts, else greedy."""
 
 
 def quiet_transformers() -> None:
@@ -84,10 +91,22 @@ def _mean(rows: list[dict], key: str) -> float:
     return float(v.mean()) if len(v) else float("nan")
 
 
-def cell_stats(rows: list[dict]) -> dict[str, float | int | None]:
+def trainer_headline(rows: list[dict]) -> str:
+    """The trainer-side metric a run's headline uses: the first of TRAINER_HEADLINES it logged
+    (the last, greedy accuracy, when it logged none: a run's rows always hold it)."""
+    return next((k for k in TRAINER_HEADLINES if len(series(rows, k)[1])), TRAINER_HEADLINES[-1])
+
+
+def _last(rows: list[dict], key: str) -> float:
+    _, v = series(rows, key)
+    return float(v[-1]) if len(v) else float("nan")
+
+
+def cell_stats(rows: list[dict]) -> dict[str, float | int | str | None]:
     """The per-cell numbers every experiment reports (definitions: module docstring)."""
     reward_steps, reward = series(rows, "reward/mean")
     _, acc = series(rows, "eval/accuracy")
+    headline = trainer_headline(rows)
     _, rare = series(rows, "monitor/kl_share/rare")
     _, ess = series(rows, "staleness/ess/token")
     async_loop = any("staleness/versions/mean" in r for r in rows)
@@ -109,6 +128,9 @@ def cell_stats(rows: list[dict]) -> dict[str, float | int | None]:
         "collapse_step": collapse_at,
         "accuracy_start": float(acc[0]) if len(acc) else float("nan"),
         "final_accuracy": float(acc[-1]) if len(acc) else float("nan"),
+        "trainer_metric": headline,
+        "final_trainer": _last(rows, headline),
+        "final_reward_sampled": _last(rows, "eval/reward_sampled"),
         "ess_below_0.5_step": _first_below(rows, "staleness/ess/token", 0.5),
         "min_ess": float(ess.min()) if len(ess) else float("nan"),
         "rare_kl_share_max": float(rare.max()) if len(rare) else float("nan"),
@@ -226,11 +248,12 @@ def summarize(out: Path, probe_tokens: int = 16) -> dict:
     ref_cells = [c for c in cells.values() if (c["scenario"], c["method"]) == ref]
     ref_r, sig_r = _mean_std([c["final_reward"] for c in ref_cells])
     ref_a, sig_a = _mean_std([c["final_accuracy"] for c in ref_cells])
+    ref_t, sig_t = _mean_std([c["final_trainer"] for c in ref_cells])
     groups = []
     for scen, meth in dict.fromkeys((c["scenario"], c["method"]) for c in cells.values()):
         members = [c for c in cells.values() if c["scenario"] == scen and c["method"] == meth]
         g = {"scenario": scen, "method": meth, "seeds": len(members)}
-        for key in ("final_reward", "final_accuracy", "min_ess", "rare_kl_share_max",
+        for key in ("final_reward", "final_accuracy", "final_trainer", "final_reward_sampled", "min_ess", "rare_kl_share_max",
                     "resyncs", "is_second_moment", "is_adv_second_moment",
                     "corr_second_moment", "corr_adv_second_moment", "numerical_k3",
                     "step_seconds", "probe_kl_to_ref", "best_reward_smoothed",
@@ -241,12 +264,16 @@ def summarize(out: Path, probe_tokens: int = 16) -> dict:
         g["collapsed"] = sum(m["collapsed"] for m in members)
         g["reward_dev_sigma"] = abs(g["final_reward"] - ref_r) / sig_r if sig_r > 0 else float("nan")
         g["accuracy_dev_sigma"] = abs(g["final_accuracy"] - ref_a) / sig_a if sig_a > 0 else float("nan")
+        g["trainer_dev_sigma"] = abs(g["final_trainer"] - ref_t) / sig_t if sig_t > 0 else float("nan")
         g["probe_dev_sigma"] = (math.sqrt(g["probe_kl_to_ref"] / ref_spread)
                                 if ref_spread > 0 and math.isfinite(g["probe_kl_to_ref"]) else float("nan"))
         groups.append(g)
     summary = {"experiment": meta["name"], "reference": list(ref), "reference_reward": ref_r,
                "reference_reward_sigma": sig_r, "reference_accuracy": ref_a,
-               "reference_accuracy_sigma": sig_a, "reference_probe_kl_spread": ref_spread,
+               "reference_accuracy_sigma": sig_a, "reference_trainer": ref_t,
+               "reference_trainer_sigma": sig_t,
+               "trainer_metric": ref_cells[0]["trainer_metric"] if ref_cells else None,
+               "reference_probe_kl_spread": ref_spread,
                "cells": cells, "groups": groups}
     (out / "summary.json").write_text(json.dumps(summary, indent=1, default=_json))
     write_csv(out / "cells.csv", [{"cell": n, **c} for n, c in cells.items()])

@@ -77,7 +77,8 @@ def build(quick: bool = False, seeds: int | None = None) -> Experiment:
 
 
 COLUMNS = [("scenario", "generator"), ("method", "method"), ("seeds", "seeds"),
-           ("final_accuracy", "final acc"), ("final_reward", "final reward"),
+           ("final_trainer", "final trainer-side"), ("final_accuracy", "final acc"),
+           ("final_reward", "final batch reward (generator-side)"),
            ("accuracy_dev_sigma", "acc dev (σ)"), ("is_second_moment", "E[ρ²] raw"),
            ("is_adv_second_moment", "E[ρ²A²]/E[A²] raw"), ("corr_second_moment", "E[w²] applied"),
            ("corr_adv_second_moment", "E[w²A²]/E[A²] applied"), ("numerical_k3", "numerical k3")]

@@ -94,7 +94,8 @@ def build(quick: bool = False, seeds: int | None = None) -> Experiment:
 
 
 COLUMNS = [("scenario", "generator"), ("method", "method"), ("seeds", "seeds"),
-           ("final_accuracy", "final acc"), ("final_reward", "final reward"),
+           ("final_trainer", "final trainer-side"), ("final_accuracy", "final acc"),
+           ("final_reward", "final batch reward (generator-side)"),
            ("reward_dev_sigma", "reward dev (σ)"), ("accuracy_dev_sigma", "acc dev (σ)"),
            ("probe_dev_sigma", "probe dev (σ)"), ("ess_below_0.5_step", "ESS<0.5 step"),
            ("min_ess", "min ESS"), ("resyncs", "re-syncs"),

@@ -64,6 +64,7 @@ def build(quick: bool = False, seeds: int | None = None) -> Experiment:
 
 
 COLUMNS = [("scenario", "N"), ("method", "method"), ("seeds", "seeds"),
-           ("final_reward", "final reward"), ("best_reward_smoothed", "best reward (smoothed)"),
+           ("final_trainer", "final trainer-side"),
+           ("final_reward", "final batch reward (generator-side)"), ("best_reward_smoothed", "best reward (smoothed)"),
            ("collapsed", "collapsed seeds"), ("final_accuracy", "final acc"),
            ("min_ess", "min ESS"), ("probe_kl_to_ref", "probe KL to N1 grpo")]

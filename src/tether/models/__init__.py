@@ -30,7 +30,7 @@ RECIPE_VERSION = 1
 
 
 # The Countdown knobs that shape the warm-start data, hence the cached model.
-TASK_KNOBS = ("num_numbers", "num_min", "num_max", "target_min", "target_max", "use_all")
+TASK_KNOBS = ("num_numbers", "num_min", "num_max", "target_min", "target_max", "use_all", "answer")
 
 
 def default_model_dir(cache_dir: str, moe: bool, seed: int, warmstart_steps: int, task_key: dict) -> Path:
@@ -57,8 +57,10 @@ def ensure_default_model(
 
     knobs = {k: v for k, v in (task_kwargs or {}).items() if k in TASK_KNOBS}
     task = CountdownTask(**knobs, seed=seed)
-    out = default_model_dir(cache_dir, moe, seed, warmstart_steps,
-                            {k: getattr(task, k) for k in TASK_KNOBS})
+    key = {k: getattr(task, k) for k in TASK_KNOBS}
+    if key["answer"] == "expr":  # keyed as before the option existed: cached models stay valid
+        del key["answer"]
+    out = default_model_dir(cache_dir, moe, seed, warmstart_steps, key)
     if (out / "config.json").is_file():
         return out
     tokenizer = build_char_tokenizer(ALPHABET)

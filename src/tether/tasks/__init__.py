@@ -13,7 +13,7 @@ from typing import Any
 
 from tether.errors import InputError
 from tether.tasks.base import Problem, Reward, Task, is_correct
-from tether.tasks.countdown import ALPHABET, CountdownTask, reachable, solve
+from tether.tasks.countdown import ALPHABET, CountdownTask, reachable, reachable_steps, solve
 from tether.tasks.expr import ExprFailure, ExprLimits, ExprValue, evaluate_expr
 from tether.tasks.numeric import NumericAnswerTask, final_number, reference_number
 
@@ -32,6 +32,7 @@ __all__ = [
     "final_number",
     "is_correct",
     "reachable",
+    "reachable_steps",
     "reference_number",
     "register_task",
     "solve",

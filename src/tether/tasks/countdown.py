@@ -3,7 +3,8 @@
 Prompt and response use only the character tokenizer's alphabet (`ALPHABET`):
 
     prompt   "3,7,9:42="      numbers, a colon, the target, "="
-    response "(9-3)*7"        an expression; the model then emits eos
+    response "(9-3)*7"        an expression (answer="expr"); the model then emits eos
+    response "9-3=6,7*6=42"   or its steps (answer="steps", see `tether.tasks.steps`)
 
 Generation. Numbers are drawn uniformly (with repetition) from [num_min, num_max].
 Every integer value reachable by + - * over any sub-multiset of them is enumerated
@@ -12,7 +13,9 @@ those in [target_min, target_max], so every problem is solvable, and the draw is
 repeated when none is. The reference solution is a short expression for the target
 (each sub-result keeps its shortest spelling; ties go alphabetically), printed with the
 fewest parentheses, so it is a pure function of (numbers, target). Solutions never use "/", but the
-reward accepts it (exact fractions: "7/2*2" is 7).
+reward accepts it (exact fractions: "7/2*2" is 7). With answer="steps" the reference is the
+shortest step chain instead (`reachable_steps`); for target_min >= 0 its targets, and so
+the problems, are the same as with answer="expr".
 
 Streams. The held-out set comes from its own random stream and holds `eval_size`
 distinct (sorted numbers, target) keys. Training problem i is drawn from a stream
@@ -22,24 +25,36 @@ is in the held-out set is skipped.
 Reward. 1 if the stripped response parses (see `tether.tasks.expr`: no spaces, no
 unary minus, no trailing "="), uses only given numbers, each at most as often as
 given, and equals the target. Otherwise `format_weight` if it parses and uses only
-given numbers, else 0; so the total never exceeds 1.
+given numbers, else 0; so the total never exceeds 1. With answer="steps": 1 if the chain
+is valid (exact arithmetic in every step, every number, given or intermediate, used at
+most once) and its last result is the target; `format_weight` for a valid chain that
+misses; else 0.
 """
 
 from __future__ import annotations
 
+import functools
 import random
 from collections import Counter
+from collections.abc import Callable, Iterable
+from typing import TypeVar
 
 from tether.errors import InputError
 from tether.tasks.base import Problem, Reward
 from tether.tasks.expr import ExprFailure, ExprLimits, evaluate_expr
+from tether.tasks.steps import Chain, evaluate_steps
+
+Entry = TypeVar("Entry")  # what the subset enumeration keeps per value
 
 ALPHABET = "0123456789+-*/()=,:"
 """Every character a Countdown prompt or solution may contain (plus the tokenizer's pad, eos)."""
 
 MAX_NUMBERS = 5
 """Largest num_numbers: the reachable-value enumeration grows super-exponentially
-(per draw: 0.07 ms at 3 numbers, 0.5 ms at 4, 8 ms at 5, 0.1-0.5 s at 6)."""
+(per multiset of numbers, cached: 0.07 ms at 3 numbers, 0.5 ms at 4, 8 ms at 5, 0.1-0.5 s at 6)."""
+
+ANSWERS = ("expr", "steps")
+"""How a response writes its answer: one expression, or a chain of steps."""
 
 MAX_DRAWS = 1000
 """Draws of numbers tried for one problem before the ranges are declared impossible."""
@@ -67,27 +82,30 @@ def _join(left: tuple[str, int], op: str, right: tuple[str, int]) -> tuple[str, 
     return f"{left_text}{op}{right_text}", _SUM
 
 
-def _shorter(found: dict[int, tuple[str, int]], value: int, expr: tuple[str, int]) -> None:
-    """Keep `expr` for `value` if it is the first, or shorter (then alphabetically first)."""
-    old = found.get(value)
-    if old is None or (len(expr[0]), expr[0]) < (len(old[0]), old[0]):
-        found[value] = expr
+def _by_subset(
+    numbers: tuple[int, ...],
+    leaf: Callable[[int], Entry],
+    combine: Callable[[int, Entry, int, Entry], Iterable[tuple[int, Entry]]],
+    text: Callable[[Entry], str],
+    use_all: bool,
+) -> dict[int, Entry]:
+    """Every value reachable over sub-multisets of `numbers`, each with the entry whose
+    `text` is shortest (ties: alphabetical), so the result is a pure function of the multiset
+    (pass it sorted). With `use_all`, only values of entries that use every number.
 
-
-def reachable(numbers: tuple[int, ...], use_all: bool = False) -> dict[int, str]:
-    """Every integer reachable by + - * over sub-multisets of `numbers`, with one expression each.
-
-    With `use_all`, only values of expressions that use every number (the classic game).
-
-    Dynamic programming over bitmasks of positions: the values of a set are the values
-    of every split into two non-empty halves, combined by a+b, a-b, b-a, a*b. Each value
-    keeps its shortest expression (ties: alphabetical), so the result is a pure function
-    of the multiset (pass it sorted).
+    Dynamic programming over bitmasks of positions: the values of a set are those that
+    `combine` makes from every split into two non-empty halves.
     """
+
+    def keep(found: dict[int, Entry], value: int, entry: Entry) -> None:
+        old = found.get(value)
+        if old is None or (len(text(entry)), text(entry)) < (len(text(old)), text(old)):
+            found[value] = entry
+
     count = len(numbers)
-    by_mask: list[dict[int, tuple[str, int]]] = [{} for _ in range(1 << count)]
+    by_mask: list[dict[int, Entry]] = [{} for _ in range(1 << count)]
     for i, number in enumerate(numbers):
-        by_mask[1 << i][number] = (str(number), _ATOM)
+        by_mask[1 << i][number] = leaf(number)
     for mask in range(1, 1 << count):
         if mask & (mask - 1) == 0:
             continue  # a single number, seeded above
@@ -96,18 +114,50 @@ def reachable(numbers: tuple[int, ...], use_all: bool = False) -> dict[int, str]
         while part:  # every non-empty proper subset of mask, each split seen once
             rest = mask ^ part
             if part < rest:
-                for a, a_expr in by_mask[part].items():
-                    for b, b_expr in by_mask[rest].items():
-                        _shorter(found, a + b, _join(a_expr, "+", b_expr))
-                        _shorter(found, a - b, _join(a_expr, "-", b_expr))
-                        _shorter(found, b - a, _join(b_expr, "-", a_expr))
-                        _shorter(found, a * b, _join(a_expr, "*", b_expr))
+                for a, a_entry in by_mask[part].items():
+                    for b, b_entry in by_mask[rest].items():
+                        for value, entry in combine(a, a_entry, b, b_entry):
+                            keep(found, value, entry)
             part = (part - 1) & mask
-    best: dict[int, tuple[str, int]] = {}
+    best: dict[int, Entry] = {}
     for found in by_mask[-1:] if use_all else by_mask[1:]:
-        for value, expr in found.items():
-            _shorter(best, value, expr)
-    return {value: expr[0] for value, expr in best.items()}
+        for value, entry in found.items():
+            keep(best, value, entry)
+    return best
+
+
+def reachable(numbers: tuple[int, ...], use_all: bool = False) -> dict[int, str]:
+    """Every integer reachable by + - * over sub-multisets of `numbers`, with one expression each
+    (the shortest; ties: alphabetical). With `use_all`, only values of expressions that use
+    every number (the classic game)."""
+
+    def combine(a: int, a_expr: tuple[str, int], b: int, b_expr: tuple[str, int]):
+        return ((a + b, _join(a_expr, "+", b_expr)), (a - b, _join(a_expr, "-", b_expr)),
+                (b - a, _join(b_expr, "-", a_expr)), (a * b, _join(a_expr, "*", b_expr)))
+
+    found = _by_subset(numbers, lambda n: (str(n), _ATOM), combine, lambda e: e[0], use_all)
+    return {value: expr[0] for value, expr in found.items()}
+
+
+def reachable_steps(numbers: tuple[int, ...], use_all: bool = False) -> dict[int, str]:
+    """Every non-negative integer reachable by + - * over sub-multisets of `numbers`, each
+    with its shortest step chain (`tether.tasks.steps`; ties: alphabetical).
+
+    Only non-negative intermediates, since a result is written without a sign; this loses
+    no non-negative target: |x op y| is always one of |x|+|y|, ||x|-|y|| or |x|*|y|, so
+    taking absolute values through any + - * tree gives a chain with the same leaves. Each
+    step writes the larger operand first (`9-3=6`); a given number alone is its own answer.
+    """
+
+    def combine(a: int, a_steps: str, b: int, b_steps: str):
+        hi, lo = max(a, b), min(a, b)
+        before = ",".join(s for s in (a_steps, b_steps) if s)  # "" for a given number
+        for op, value in (("+", hi + lo), ("-", hi - lo), ("*", hi * lo)):
+            step = f"{hi}{op}{lo}={value}"
+            yield value, f"{before},{step}" if before else step
+
+    found = _by_subset(numbers, lambda n: "", combine, lambda steps: steps, use_all)
+    return {value: steps or str(value) for value, steps in found.items()}
 
 
 def solve(numbers: tuple[int, ...] | list[int], target: int) -> str | None:
@@ -138,9 +188,10 @@ class CountdownTask:
         seed: int = 0,
         eval_size: int = 200,
         format_weight: float = 0.0,
-        max_response_chars: int = 64,
+        max_response_chars: int | None = None,
         use_all: bool = True,
         train_size: int = 0,
+        answer: str = "expr",
     ) -> None:
         """Check the knobs, then build the held-out set (so impossible ranges fail here).
 
@@ -153,11 +204,13 @@ class CountdownTask:
             format_weight: reward in [0, 1) for a parsing answer over the given numbers
                 that misses the target.
             max_response_chars: longest response the reward parses (after stripping);
-                longer ones score 0.
+                longer ones score 0. None: 64, or the longest possible solution if longer.
             train_size: cycle through only the first N training problems (0: an endless
                 stream); a small pool is the "can it fit?" sanity check.
             use_all: draw only targets whose reference solution uses every number. Without
                 it, many targets are one given number or two, and RL learns "answer short".
+            answer: "expr" (one expression) or "steps" (a chain like "9-3=6,7*6=42", whose
+                responses are several times longer).
         """
         if not isinstance(num_numbers, int) or not 2 <= num_numbers <= MAX_NUMBERS:
             raise InputError(
@@ -178,16 +231,27 @@ class CountdownTask:
                 f"format_weight must be in [0, 1) so a correct answer always scores more, "
                 f"got {format_weight}"
             )
+        if answer not in ANSWERS:
+            raise InputError(f"answer must be one of {', '.join(ANSWERS)}, got {answer!r}")
+        if answer == "steps" and target_max < 0:
+            raise InputError(f"target_max ({target_max}) must be >= 0 with answer=steps: a "
+                             "step writes its result as a non-negative number")
         largest = _largest_reachable(num_numbers, num_max)
         if target_min > largest or target_max < -largest:
             raise InputError(
                 f"target range [{target_min}, {target_max}] is impossible: {num_numbers} numbers "
                 f"in [{num_min}, {num_max}] reach at most |{largest}|"
             )
-        # The longest + - * solution: every number at full width, n-1 operators and
-        # at most one pair of parentheses per operator.
         digits = len(str(num_max))
-        longest_solution = num_numbers * digits + 3 * (num_numbers - 1)
+        if answer == "steps":
+            # n-1 steps "a op b=c" with every number as wide as the largest value, and commas.
+            width = len(str(largest))
+            longest_solution = (num_numbers - 1) * (3 * width + 2) + num_numbers - 2
+        else:
+            # Every number at full width, n-1 operators, at most one pair of () per operator.
+            longest_solution = num_numbers * digits + 3 * (num_numbers - 1)
+        if max_response_chars is None:
+            max_response_chars = max(64, longest_solution)
         if max_response_chars < longest_solution:
             raise InputError(
                 f"max_response_chars ({max_response_chars}) is below the longest possible "
@@ -201,6 +265,7 @@ class CountdownTask:
         self.seed = seed
         self.format_weight = format_weight
         self.use_all = use_all
+        self.answer = answer
         if train_size < 0:
             raise InputError(f"train_size must be >= 0 (0: endless stream), got {train_size}")
         self.train_size = train_size
@@ -220,14 +285,14 @@ class CountdownTask:
             numbers = tuple(
                 rng.randint(self.num_min, self.num_max) for _ in range(self.num_numbers)
             )
-            values = reachable(tuple(sorted(numbers)), self.use_all)
-            targets = sorted(v for v in values if self.target_min <= v <= self.target_max)
-            if targets:
-                target = rng.choice(targets)
+            solutions = _solutions(tuple(sorted(numbers)), self.use_all, self.answer,
+                                   self.target_min, self.target_max)
+            if solutions:
+                target = rng.choice(sorted(solutions))
                 return Problem(
                     id=problem_id,
                     prompt=f"{','.join(map(str, numbers))}:{target}=",
-                    solution=values[target],
+                    solution=solutions[target],
                     meta={"numbers": numbers, "target": target},
                 )
         raise InputError(
@@ -275,15 +340,30 @@ class CountdownTask:
         return list(self._eval)
 
     def reward(self, problem: Problem, response: str) -> Reward:
-        """1 for a correct expression, `format_weight` for a well-formed miss, else 0."""
+        """1 for a correct answer, `format_weight` for a well-formed miss, else 0."""
         numbers, target = problem.meta["numbers"], problem.meta["target"]
-        parsed = evaluate_expr(response.strip(), self.limits)
-        well_formed = not isinstance(parsed, ExprFailure) and uses_given_numbers(
-            parsed.literals, numbers
-        )
-        correct = well_formed and parsed.value == target
+        if self.answer == "steps":
+            chain = evaluate_steps(response.strip(), numbers, self.limits.max_length)
+            well_formed = isinstance(chain, Chain)
+            correct = well_formed and chain.value == target
+        else:
+            parsed = evaluate_expr(response.strip(), self.limits)
+            well_formed = not isinstance(parsed, ExprFailure) and uses_given_numbers(
+                parsed.literals, numbers
+            )
+            correct = well_formed and parsed.value == target
         total = 1.0 if correct else (self.format_weight if well_formed else 0.0)
         return Reward(total=total, parts={"correct": float(correct), "format": float(well_formed)})
+
+
+# Per multiset of numbers, not per draw: the enumeration costs ms at 5 numbers, and a warm
+# start draws each multiset (1287 of 5 numbers in 1..9) hundreds of times.
+@functools.lru_cache(maxsize=4096)
+def _solutions(numbers: tuple[int, ...], use_all: bool, answer: str, target_min: int,
+               target_max: int) -> dict[int, str]:
+    """Target in [target_min, target_max] -> reference solution, for the sorted `numbers`."""
+    find = reachable_steps if answer == "steps" else reachable
+    return {v: s for v, s in find(numbers, use_all).items() if target_min <= v <= target_max}
 
 
 def _key(problem: Problem) -> tuple[tuple[int, ...], int]:
