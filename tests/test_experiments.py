@@ -130,7 +130,8 @@ def test_only_rejects_unknown_groups(tmp_path, capsys):
 
 def test_full_matrices_are_the_documented_ones():
     dlc = get("dlc").build()
-    assert len(dlc.groups()) == 21 and len(dlc.cells) == 63  # duplicates skipped, 3 seeds
+    assert len(dlc.groups()) == 24 and len(dlc.cells) == 74  # duplicates skipped, 3 seeds (ref 5)
+    assert sum(c.scenario == "exact" and c.method == "naive" for c in dlc.cells) == 5
     vespo = get("vespo").build()
     assert {c.scenario for c in vespo.cells} == {f"N{n}" for n in (1, 4, 8, 16, 32, 64)} | {
         "moe_N8", "moe_N32"}
@@ -164,3 +165,16 @@ def test_set_changes_every_cell_and_a_bad_key_fails_first(tmp_path, capsys, warm
     # The same directory under the plain settings is refused, not mixed.
     assert main(["experiment", "vespo", "--quick", "--out", str(out)]) == 2
     assert "other settings" in capsys.readouterr().err
+
+
+def test_a_group_leaves_the_band_where_its_mean_is_two_sigma_off():
+    from tether.experiments.analysis import leaves_band
+
+    def run(values: list[float]) -> list[dict]:
+        return [{"step": 5 * i, "eval/accuracy_sampled": v} for i, v in enumerate(values)]
+
+    reference = [run([0.30, 0.31, 0.33, 0.35]), run([0.30, 0.33, 0.35, 0.37])]
+    drifting = [run([0.30, 0.30, 0.27, 0.20]), run([0.30, 0.32, 0.29, 0.22])]
+    assert leaves_band(drifting, reference, sigma=0.02) == 10  # 0.28 vs 0.34 at step 10
+    assert leaves_band(reference, reference, sigma=0.02) is None
+    assert leaves_band(drifting, reference, sigma=float("nan")) is None

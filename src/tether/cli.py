@@ -32,10 +32,11 @@ Sections: model (which model; default is tether's own tiny Qwen3), task (countdo
 numeric, or your own class as task.name=pkg.module:Class; docs/tasks.md), reward (your
 own reward function, optional), rollout (engine, generator precision, sampling), train
 (steps, optimizer, estimator; MoE routing replay train.routing_replay=none|r2|r3,
-docs/mismatch.md; data-parallel ranks train.world_size, docs/distributed.md), sync (when
-the generator gets new weights), loop (loop.mode=async: rollout workers generate while
-the trainer trains, loop.workers, loop.max_staleness, loop.partial, docs/async.md;
-loop.backend=ray), eval, run (directory, seed). `~key` drops a key the file set.
+docs/mismatch.md; data-parallel ranks train.world_size, docs/distributed.md; bf16 autocast
+train.precision=bf16, docs/performance.md), sync (when the generator gets new weights),
+loop (loop.mode=async: rollout workers generate while the trainer trains, loop.workers,
+loop.max_staleness, loop.partial, docs/async.md; loop.backend=ray), eval, run (directory,
+seed, run.device=auto|cpu|cuda[:N]). `~key` drops a key the file set.
 Before a run, `tether probe` (same config) measures the generator/trainer mismatch and
 recommends an estimator and sync policy.
 `tether config --fields` lists every key with its default and meaning;

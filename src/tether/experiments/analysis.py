@@ -210,6 +210,25 @@ def cached_probe_logp(out: Path, name: str, probe: dict) -> torch.Tensor | None:
 
 # -- the summary: per cell and per (scenario, method) group --------------------------------
 
+def leaves_band(group: list[list[dict]], reference: list[list[dict]], sigma: float) -> int | None:
+    """The first evaluation step at which the group's seed-mean trainer-side headline is
+    more than 2 sigma (the reference's final seed-to-seed sigma) from the reference's
+    seed-mean at the same step; None if it never is (or either side logged nothing)."""
+    if not (sigma > 0) or not group or not reference:
+        return None
+
+    def mean_by_step(runs: list[list[dict]]) -> dict[int, float]:
+        by_step: dict[int, list[float]] = {}
+        for rows in runs:
+            steps, values = series(rows, trainer_headline(rows))
+            for st, v in zip(steps, values, strict=True):
+                by_step.setdefault(int(st), []).append(float(v))
+        return {st: float(np.mean(v)) for st, v in by_step.items()}
+
+    ref, own = mean_by_step(reference), mean_by_step(group)
+    return next((st for st in sorted(own) if st in ref and abs(own[st] - ref[st]) > 2 * sigma), None)
+
+
 def _mean_std(values: list[float]) -> tuple[float, float]:
     v = [x for x in values if x is not None and math.isfinite(x)]
     if not v:
@@ -265,6 +284,11 @@ def summarize(out: Path, probe_tokens: int = 16) -> dict:
         g["reward_dev_sigma"] = abs(g["final_reward"] - ref_r) / sig_r if sig_r > 0 else float("nan")
         g["accuracy_dev_sigma"] = abs(g["final_accuracy"] - ref_a) / sig_a if sig_a > 0 else float("nan")
         g["trainer_dev_sigma"] = abs(g["final_trainer"] - ref_t) / sig_t if sig_t > 0 else float("nan")
+        g["trainer_ratio"] = g["final_trainer"] / ref_t if ref_t > 0 else float("nan")
+        g["leaves_band_step"] = leaves_band(
+            [cell_rows(out, n) for n, c in cells.items() if (c["scenario"], c["method"]) == (scen, meth)],
+            [cell_rows(out, n) for n, c in cells.items() if (c["scenario"], c["method"]) == ref],
+            sig_t)
         g["probe_dev_sigma"] = (math.sqrt(g["probe_kl_to_ref"] / ref_spread)
                                 if ref_spread > 0 and math.isfinite(g["probe_kl_to_ref"]) else float("nan"))
         groups.append(g)

@@ -1,25 +1,34 @@
 """E-DLC (DESIGN.md section 7): does DLC keep an fp8, lagging generator on the on-policy path?
 
 Matrix: generator {exact (fp32), bf16, fp8, lag k (fp32), fp8 + lag k} x method {naive,
-tis, mis, dlc without re-sync, dlc} x seeds, on the dense tiny model. `dlc without
-re-sync` is the dlc estimator (staleness IS capped at 2 + centering) with
-`sync.policy=every:1`: every step a routine delivery of the weights of k versions ago,
-never a re-sync; `dlc` adds the ESS < 0.5 re-sync (`ess:0.5`, the tripping batch trained on).
-The on-policy reference is exact x naive (fp32, lag 0, REINFORCE).
+reweight, tis, tis + ESS re-sync, dlc without re-sync, dlc, dlc under a PPO clip} x seeds,
+on the dense tiny model.
+- `reweight` is the paper's plain-reweighting baseline: token IS by pi_theta/mu, capped
+  at 2, no clip, no centering, no re-sync.
+- `tis` is PPO-clip + truncated IS; `tis_ess` adds the ESS < 0.5 re-sync.
+- `dlc_noresync` is the dlc estimator (staleness IS capped at 2 + centering) with
+  `sync.policy=every:1`: every step a routine delivery of the weights of k versions ago,
+  never a re-sync; `dlc` adds the ESS < 0.5 re-sync (`ess:0.5`, the tripping batch
+  trained on).
+- `dlc_clip` is centering under a PPO clip around pi_old (with the ESS re-sync): does the
+  clip, which anchors every update to pi_old, explain why tis held the path better?
+- Centering is exact: K = V = 21, the whole vocabulary.
+The on-policy reference is exact x naive (fp32, lag 0, REINFORCE), with 5 seeds.
+Headlines are the trainer's: held-out accuracy sampled like the rollouts, every 5 steps.
 
 Beside the simulated lag, a real race: `fp8_async<k>` is the fp8 generator in the
 asynchronous loop (`loop.mode=async`, one rollout worker process, admission bound
 eta = `loop.max_staleness` = k, `sync.lag=0`), where staleness is what the race gives,
 up to k versions. naive publishes lazily under `bounded:k` (the generator runs up to k
 versions behind, as at lag k), dlc keeps its `ess:0.5` (lazy, plus a publish when the
-ESS trips). Measured (RESULTS.md): one worker outpaces the trainer, so admission keeps k
-batches queued and every batch is trained exactly k versions stale, as at lag k.
+ESS trips).
 
 What it simplifies, to fit 60 minutes on 2 cores: cells that are provably the same run
-are not repeated. With lag 0 there is no staleness, so `dlc without re-sync` equals `dlc`
-(the ESS is 1 and never trips); with an fp32 generator rho = 1, so tis and mis equal
-grpo and only tis is run; on `exact` only naive (the reference) and dlc (does centering
-cost anything on-policy?) are run. The push is DESIGN.md's: lr 5e-4, lag 8, 40 steps.
+are not repeated. With lag 0 there is no staleness, so the re-sync variants equal their
+base method, reweight equals tis without the clip, and only naive, tis and dlc are run;
+on `exact` only naive (the reference) and dlc (does centering cost anything on-policy?).
+mis is left out (tis stands for the truncation family). The testbed is the calibrated one
+(WARMSTART_STEPS, LR; docs/experiments.md): lag 16, 60 steps of 32 x 8.
 """
 
 from __future__ import annotations
@@ -32,11 +41,22 @@ QUESTION = ("Under an fp8 generator lagging k versions, does plain reweighting d
 TASK = ["task.use_all=true", "task.format_weight=0.1"]
 METHODS = {
     "naive": ["train.estimator=naive", "sync.policy=every:1"],
+    "reweight": ["train.estimator=reweight", "sync.policy=every:1"],
     "tis": ["train.estimator=tis", "sync.policy=every:1"],
-    "mis": ["train.estimator=mis", "sync.policy=every:1"],
+    "tis_ess": ["train.estimator=tis", "sync.policy=ess:0.5"],
     "dlc_noresync": ["train.estimator=dlc", "sync.policy=every:1"],
     "dlc": ["train.estimator=dlc", "sync.policy=ess:0.5"],
+    "dlc_clip": ["train.estimator=dlc_clip", "sync.policy=ess:0.5"],
 }
+STALE_METHODS = list(METHODS)  # every method under lag: the paper's comparison
+NUMERICAL_METHODS = ["naive", "tis", "dlc"]  # lag 0: no staleness to correct or re-sync on
+REFERENCE_SEEDS = 5  # the on-policy sigma needs them (DESIGN.md section 7)
+# The calibrated testbed (docs/experiments.md, "Calibration"): the warm start and learning
+# rate at which the on-policy reference itself learns, with a small seed-to-seed sigma.
+WARMSTART_STEPS = 900
+LR = 1e-4
+LAG = 16
+STEPS = 60
 
 
 def scenarios(lag: int) -> dict[str, list[str]]:
@@ -61,40 +81,42 @@ def method_overrides(scenario: str, method: str, lag: int) -> list[str]:
 
 def build(quick: bool = False, seeds: int | None = None) -> Experiment:
     if quick:
-        lag, n_seeds = 2, seeds or 1
+        lag, n_seeds, n_ref = 2, seeds or 1, seeds or 1
         base = TASK + ["model.warmstart_steps=120", "train.steps=4", "train.lr=5e-4",
                        "rollout.prompts_per_step=8", "rollout.group_size=4",
-                       "rollout.max_new_tokens=12", "rollout.logprobs_topk=8",
-                       "task.eval_size=16", "eval.every=0", "eval.samples=0",
-                       "diagnostics.monitor_every=2", "diagnostics.monitor_prompts=4",
-                       "run.checkpoint_every=0"]
+                       "rollout.max_new_tokens=12", "task.eval_size=16", "eval.every=2",
+                       "eval.samples=2", "diagnostics.monitor_every=2",
+                       "diagnostics.monitor_prompts=4", "run.checkpoint_every=0"]
         # One tiny async cell: the race through the runner (its rollout worker is a child
         # of the cell's process), not a measurement.
-        plan = {"exact": ["naive", "dlc"], f"fp8_lag{lag}": ["naive", "dlc"],
+        plan = {"exact": ["naive", "dlc"], f"fp8_lag{lag}": ["naive", "reweight", "dlc"],
                 f"fp8_async{lag}": ["dlc"]}
     else:
-        lag, n_seeds = 8, seeds or 3
-        base = TASK + ["model.warmstart_steps=200", "train.steps=40", "train.lr=5e-4",
-                       "rollout.prompts_per_step=32", "rollout.group_size=8",
-                       "rollout.max_new_tokens=12", "rollout.logprobs_topk=8",
-                       "eval.every=10", "eval.samples=0", "diagnostics.monitor_every=5",
-                       "run.checkpoint_every=10"]
-        plan = {"exact": ["naive", "dlc"], "bf16": ["naive", "tis", "mis", "dlc"],
-                "fp8": ["naive", "tis", "mis", "dlc"],
-                f"lag{lag}": ["naive", "tis", "dlc_noresync", "dlc"],
-                f"fp8_lag{lag}": list(METHODS), f"fp8_async{lag}": ["naive", "dlc"]}
+        lag, n_seeds = LAG, seeds or 3
+        n_ref = max(n_seeds, REFERENCE_SEEDS)
+        base = TASK + [f"model.warmstart_steps={WARMSTART_STEPS}", f"train.steps={STEPS}",
+                       f"train.lr={LR}", "rollout.prompts_per_step=32", "rollout.group_size=8",
+                       "rollout.max_new_tokens=12", "eval.every=5", "eval.samples=4",
+                       "diagnostics.monitor_every=5", "run.checkpoint_every=10"]
+        plan = {"exact": ["naive", "dlc"], "bf16": NUMERICAL_METHODS, "fp8": NUMERICAL_METHODS,
+                f"lag{lag}": STALE_METHODS, f"fp8_lag{lag}": STALE_METHODS,
+                f"fp8_async{lag}": ["naive", "dlc"]}
     scen = scenarios(lag)
     cells = [Cell(s, m, seed, tuple(scen[s] + method_overrides(s, m, lag)))
-             for seed in range(n_seeds) for s, methods in plan.items() for m in methods]
+             for seed in range(max(n_seeds, n_ref)) for s, methods in plan.items() for m in methods
+             if seed < (n_ref if (s, m) == ("exact", "naive") else n_seeds)]
     notes = [f"lag k = {lag}; identical cells skipped (module docstring)",
-             "on-policy reference: exact x naive (fp32 generator, lag 0, REINFORCE)",
+             f"on-policy reference: exact x naive (fp32 generator, lag 0, REINFORCE), {n_ref} seeds",
+             "dlc centers over the whole vocabulary (K = V = 21: rollout.logprobs_topk auto)",
              (f"fp8_async{lag}: the asynchronous loop, 1 rollout worker, eta = {lag}; "
               "its reward is the lagged generator's, as under lag")]
     return Experiment("dlc", QUESTION, base, cells, ("exact", "naive"), notes)
 
 
 COLUMNS = [("scenario", "generator"), ("method", "method"), ("seeds", "seeds"),
-           ("final_trainer", "final trainer-side"), ("final_accuracy", "final acc"),
+           ("final_trainer", "final trainer-side"), ("trainer_dev_sigma", "trainer dev (σ)"),
+           ("trainer_ratio", "× reference"), ("leaves_band_step", "leaves ±2σ step"),
+           ("final_accuracy", "final greedy acc"),
            ("final_reward", "final batch reward (generator-side)"),
            ("reward_dev_sigma", "reward dev (σ)"), ("accuracy_dev_sigma", "acc dev (σ)"),
            ("probe_dev_sigma", "probe dev (σ)"), ("ess_below_0.5_step", "ESS<0.5 step"),

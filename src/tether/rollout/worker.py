@@ -80,13 +80,14 @@ class RolloutEngine:
     (tether.rollout.ray_backend) both wrap one."""
 
     def __init__(self, index: int, cfg: Config, model_path: str):
-        from tether.run import build_generator, sampling_params
+        from tether.run import build_generator, resolve_device, sampling_params
 
         torch.set_num_threads(cfg.loop.worker_threads)
         self.index, self.partial = index, cfg.loop.partial
         self.task = task_from_config(cfg.task)
         self.reward_fn = build_reward_fn(cfg.reward.fn, cfg.reward.timeout, self.task)
         model, self.tokenizer = load_model(model_path)
+        model = model.to(resolve_device(cfg.run.device))  # a Ray actor: the GPU it was given
         self.generator = build_generator(cfg, model, Path(model_path), self.tokenizer)
         self.sampling = sampling_params(cfg, model.config.vocab_size)
 
