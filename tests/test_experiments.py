@@ -44,7 +44,8 @@ def test_quick_experiment_tables_resume_and_report(name, tmp_path, warm_model_di
         d = out / "cells" / cell.name
         assert (d / "done.json").is_file() and (d / "final" / "config.json").is_file()
         rows = [json.loads(line) for line in (d / "metrics.jsonl").read_text().splitlines()]
-        assert rows[-1]["step"] == int(dict(o.split("=") for o in exp.base)["train.steps"])
+        settings = dict(o.split("=", 1) for o in exp.base + list(cell.overrides))  # cell's last
+        assert rows[-1]["step"] == int(settings["train.steps"])
     assert json.loads((out / "failed.json").read_text()) == {}
 
     # Resumable: a second run finds every cell done and runs none.
@@ -100,6 +101,7 @@ def test_trainer_headline_prefers_sampled_accuracy():
     assert analysis.trainer_headline(greedy) == "eval/accuracy"
     s = analysis.cell_stats(greedy)
     assert (s["trainer_metric"], s["final_trainer"]) == ("eval/accuracy", 0.25)
+    assert s["best_trainer"] == 0.5 and not s["collapsed_trainer"]  # 0.25 is not below 0.5 / 2
     assert math.isnan(s["final_reward_sampled"])
     sampled = [{**r, "eval/accuracy_sampled": 0.3 - 0.1 * i, "eval/reward_sampled": 0.4 - 0.1 * i}
                if "eval/accuracy" in r else r for i, r in enumerate(greedy)]
@@ -107,7 +109,16 @@ def test_trainer_headline_prefers_sampled_accuracy():
     s = analysis.cell_stats(sampled)
     # The last eval row (step 2, i = 2): 0.3 - 0.2 and 0.4 - 0.2; the batch reward stays 0.8-0.9.
     assert s["final_trainer"] == pytest.approx(0.1) and s["final_reward_sampled"] == pytest.approx(0.2)
+    assert s["best_trainer"] == pytest.approx(0.3) and s["collapsed_trainer"]  # 0.1 < 0.3 / 2
     assert s["final_reward"] == 0.8  # generator-side: the last W = max(1, 2 // 4) = 1 step
+
+
+def test_series_against_optimizer_steps():
+    # N = 4: rollout step k ends at version 4k; the step-0 row (no version) sits at 0.
+    rows = [{"step": 0, "eval/accuracy": 0.5}, {"step": 1, "version": 4, "reward/mean": 0.2},
+            {"step": 2, "version": 8, "reward/mean": 0.3, "eval/accuracy": 0.25}]
+    assert analysis.series(rows, "eval/accuracy", "version")[0].tolist() == [0, 8]
+    assert analysis.series(rows, "eval/accuracy")[0].tolist() == [0, 2]
 
 
 def test_probe_kl_is_zero_on_itself_and_positive_otherwise():
@@ -133,11 +144,14 @@ def test_full_matrices_are_the_documented_ones():
     assert len(dlc.groups()) == 24 and len(dlc.cells) == 74  # duplicates skipped, 3 seeds (ref 5)
     assert sum(c.scenario == "exact" and c.method == "naive" for c in dlc.cells) == 5
     vespo = get("vespo").build()
-    assert {c.scenario for c in vespo.cells} == {f"N{n}" for n in (1, 4, 8, 16, 32, 64)} | {
-        "moe_N8", "moe_N32"}
-    assert len(vespo.groups()) == 36 + 8  # + MoE N in {8, 32} x {grpo, vespo} x {-, r2}
-    assert {c.method for c in vespo.cells if c.scenario == "moe_N8"} == {
-        "grpo", "grpo_r2", "vespo", "vespo_r2"}
+    assert len(vespo.groups()) == 3 * 6 and len(vespo.cells) == 54  # N {1, 8, 64} x 6, 3 seeds
+    keys = {c.scenario: c.overrides[:5] for c in vespo.cells if c.method == "vespo_T"}
+    # Mini-batch 4 prompts x 8; 128 optimizer steps = 128 / N batches; eval every 64 of them.
+    assert keys["N1"] == ("rollout.prompts_per_step=4", "train.minibatches=1", "train.steps=128",
+                          "eval.every=64", "run.checkpoint_every=64")
+    assert keys["N64"] == ("rollout.prompts_per_step=256", "train.minibatches=64",
+                           "train.steps=2", "eval.every=1", "run.checkpoint_every=1")
+    assert "rollout.group_size=8" in vespo.base and "task.answer=steps" in vespo.base
     cis = get("cis").build()
     assert cis.groups() == [("exact", "none")] + [(g, m) for g in ("bf16", "bf16_route")
                                                   for m in ("none", "tis", "mis", "cis")] + [
@@ -157,11 +171,11 @@ def test_set_changes_every_cell_and_a_bad_key_fails_first(tmp_path, capsys, warm
     assert "train.lr" in capsys.readouterr().err and not (tmp_path / "bad" / "cells").exists()
     out = tmp_path / "lr"
     assert main(["experiment", "vespo", "--quick", "--out", str(out), "--model", str(warm_model_dir),
-                 "--only", "N1:grpo", "--set", "train.lr=3e-5", "train.steps=2"]) == 0
+                 "--only", "N1:grpo", "--set", "train.lr=3e-5", "task.format_weight=0.2"]) == 0
     base = json.loads((out / "experiment.json").read_text())["base"]
-    assert base[-2:] == ["train.lr=3e-5", "train.steps=2"]
+    assert base[-2:] == ["train.lr=3e-5", "task.format_weight=0.2"]
     config = (out / "cells" / "N1__grpo__s0" / "config.yaml").read_text()
-    assert "lr: 3.0e-05" in config and "steps: 2" in config
+    assert "lr: 3.0e-05" in config and "format_weight: 0.2" in config
     # The same directory under the plain settings is refused, not mixed.
     assert main(["experiment", "vespo", "--quick", "--out", str(out)]) == 2
     assert "other settings" in capsys.readouterr().err

@@ -154,7 +154,9 @@ Run one of the papers' experiments on the embedded testbed (DESIGN.md section 7)
          re-sync, dlc} x 3 seeds, dense model
   cis    MoE model, generator {bf16, bf16 + router noise 0.1} x {none, tis, mis/icepop, cis}
          x 3 seeds (+ fp32 reference)
-  vespo  staleness N in {1, 4, 8, 16, 32, 64} x {grpo, gspo, sapo, vespo, vespo /T, vespo /sqrtT}
+  vespo  staleness N in {1, 8, 64} (a rollout batch of N optimizer mini-batches of 4 x 8;
+         128 optimizer steps for every N) x {grpo, gspo, sapo, vespo, vespo /T,
+         vespo /sqrtT} x 3 seeds, Countdown answers written as steps, dense model
 Each cell is one training run in OUT/cells/<scenario>__<method>__s<seed>, run in parallel
 worker processes (one torch thread each). Rerunning the same command skips finished cells
 and resumes interrupted ones. Writes OUT/summary.csv (one row per scenario x method),
@@ -258,12 +260,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("name", choices=["dlc", "cis", "vespo"], help="Which experiment.")
     p.add_argument("--quick", action="store_true",
                    help="A reduced matrix (1 seed, 2 settings x 2 methods, a few small steps, "
-                   "a lightly warm-started model): a smoke test in about a minute.")
+                   "a lightly warm-started model; vespo: the full run's, cached): a smoke test in about a "
+                   "minute.")
     p.add_argument("--out", metavar="DIR",
                    help="Experiment directory (default runs/experiments/NAME[-quick]); rerun "
                    "with the same DIR to resume.")
     p.add_argument("--seeds", type=int, metavar="N",
-                   help="Seeds per scenario x method (default: dlc 3, cis 3, vespo 1; quick 1).")
+                   help="Seeds per scenario x method (default: dlc 3, cis 3, vespo 3; quick 1).")
     p.add_argument("--workers", type=int, default=2, metavar="N",
                    help="Cells run in parallel, each in its own process with one torch "
                    "thread (default 2; at most the number of free cores).")

@@ -45,14 +45,16 @@ def _wrap(title: str, width: int) -> str:
     return "\n".join(textwrap.wrap(title, width))
 
 
-def _group_curves(out: Path, meta: dict, key: str, smooth_w: int = 0, log: bool = False) -> dict:
+def _group_curves(out: Path, meta: dict, key: str, smooth_w: int = 0, log: bool = False,
+                  x: str = "step") -> dict:
     """(scenario, method) -> (steps, mean, std) over seeds of `key`, on the steps all share.
 
-    `log`: mean and std of log10 of the values (a geometric band for a log axis).
+    `log`: mean and std of log10 of the values (a geometric band for a log axis). `x`: the
+    rows' counter on the x axis (`analysis.series`).
     """
     runs: dict[tuple[str, str], list[tuple[np.ndarray, np.ndarray]]] = {}
     for c in meta["cells"]:
-        s, v = analysis.series(analysis.cell_rows(out, c["name"]), key)
+        s, v = analysis.series(analysis.cell_rows(out, c["name"]), key, x)
         if log:
             v = np.log10(np.maximum(v, 1e-12))
         if len(v):
@@ -77,10 +79,12 @@ def _panels(plt, n: int):
 
 
 def curves_figure(out: Path, meta: dict, key: str, ylabel: str, title: str, path: Path,
-                  smooth_w: int = 0, log_y: bool = False, hline: float | None = None) -> Path | None:
-    """One panel per scenario, one line per method, the on-policy reference dashed in each."""
+                  smooth_w: int = 0, log_y: bool = False, hline: float | None = None,
+                  x: str = "step") -> Path | None:
+    """One panel per scenario, one line per method, the on-policy reference dashed in each;
+    `x`: "step" (rollout steps) or "version" (optimizer steps)."""
     plt = _plt()
-    curves = _group_curves(out, meta, key, smooth_w, log=log_y)
+    curves = _group_curves(out, meta, key, smooth_w, log=log_y, x=x)
     if not curves:
         return None
     if log_y:  # back from log10: geometric mean over seeds, band x/÷ the geometric std
@@ -110,7 +114,7 @@ def curves_figure(out: Path, meta: dict, key: str, ylabel: str, title: str, path
         if log_y:
             ax.set_yscale("log")
         ax.set_title(f"generator / setting: {scen}", fontsize=9)
-        ax.set_xlabel("RL step")
+        ax.set_xlabel("optimizer step (version)" if x == "version" else "RL step")
         ax.set_ylabel(ylabel + (" (geometric mean)" if log_y else ""))
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
@@ -153,8 +157,9 @@ def bars_figure(groups: list[dict], keys: list[tuple[str, str]], xlabel: str, ti
     return path
 
 
-def vespo_figure(groups: list[dict], path: Path) -> Path | None:
-    """Final reward against N per method; collapsed groups marked with a red x."""
+def vespo_figure(groups: list[dict], path: Path, metric: str) -> Path | None:
+    """Final trainer-side value (`metric`) against N per method; groups with a seed whose
+    trainer-side value collapsed marked with a red x."""
     plt = _plt()
     fig, ax = plt.subplots(figsize=(6.5, 4))
     methods = list(dict.fromkeys(g["method"] for g in groups))
@@ -162,21 +167,21 @@ def vespo_figure(groups: list[dict], path: Path) -> Path | None:
     for meth in methods:
         gs = sorted((g for g in groups if g["method"] == meth), key=lambda g: int(g["scenario"][1:]))
         n = [int(g["scenario"][1:]) for g in gs]
-        r = [g["final_reward"] for g in gs]
-        sd = [g["final_reward_std"] if math.isfinite(g["final_reward_std"]) else 0 for g in gs]
+        r = [g["final_trainer"] for g in gs]
+        sd = [g["final_trainer_std"] if math.isfinite(g["final_trainer_std"]) else 0 for g in gs]
         ax.errorbar(n, r, yerr=sd, color=colors[meth], marker="o", capsize=2, label=meth)
-        bad = [(a, b) for a, b, g in zip(n, r, gs) if g["collapsed"]]
+        bad = [(a, b) for a, b, g in zip(n, r, gs) if g["collapsed_trainer"]]
         if bad:
             ax.scatter(*zip(*bad), marker="x", s=90, color="red", zorder=5)
-    ax.scatter([], [], marker="x", color="red", label="collapsed (reward < half its best)")
+    ax.scatter([], [], marker="x", color="red", label="collapsed (final < half its best)")
     ax.set_xscale("log", base=2)
     ax.set_xticks(sorted({int(g["scenario"][1:]) for g in groups}))
     ax.get_xaxis().set_major_formatter(plt.ScalarFormatter())
     ax.set_xlabel("staleness N (optimizer steps per rollout batch)")
-    ax.set_ylabel("final generator-side batch reward\n(mean of last quarter)")
+    ax.set_ylabel(f"final trainer-side {metric}")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
-    ax.set_title("Which objective keeps its reward as N grows?", fontsize=10)
+    ax.set_title("Which objective keeps the trained policy's reward as N grows?", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=90)
     plt.close(fig)
@@ -211,6 +216,7 @@ def bias_figure(tb: dict, path: Path) -> Path | None:
 def make_figures(out: Path, meta: dict, summary: dict, figdir: Path) -> list[tuple[Path, str]]:
     """All figures of the experiment: (path, the question its title states)."""
     figs = []
+    x = getattr(get(meta["name"]), "CURVE_X", "step")  # vespo: optimizer steps, comparable across N
 
     def add(path, title):
         if path is not None:
@@ -218,15 +224,15 @@ def make_figures(out: Path, meta: dict, summary: dict, figdir: Path) -> list[tup
 
     q = "Does the generator-side batch reward under each method follow the on-policy run (dashed)?"
     add(curves_figure(out, meta, "reward/mean", "generator-side batch reward (running mean of 5)",
-                      q, figdir / "reward.png", smooth_w=5), q)
+                      q, figdir / "reward.png", smooth_w=5, x=x), q)
     # Trainer-side: held-out, sampled at the trainer's weights (absent when eval.samples=0).
     for key, label, fname in (("eval/accuracy_sampled", "held-out accuracy (sampled)", "accuracy_sampled.png"),
                               ("eval/reward_sampled", "held-out reward (sampled)", "reward_sampled.png")):
         q = f"Does the trained policy's {label}, at the trainer's weights, follow the on-policy run (dashed)?"
-        add(curves_figure(out, meta, key, label, q, figdir / fname), q)
+        add(curves_figure(out, meta, key, label, q, figdir / fname, x=x), q)
     q = "Does held-out greedy accuracy under each method follow the on-policy run (dashed)?"
     add(curves_figure(out, meta, "eval/accuracy", "held-out accuracy (greedy)", q,
-                      figdir / "accuracy.png"), q)
+                      figdir / "accuracy.png", x=x), q)
     groups = summary["groups"]
     name = meta["name"]
     if name == "dlc":
@@ -254,8 +260,8 @@ def make_figures(out: Path, meta: dict, summary: dict, figdir: Path) -> list[tup
             q = "How far does each correction's weight fall from the exact IS weight, by confidence?"
             add(bias_figure(summary["truncation_bias"], figdir / "truncation_bias.png"), q)
     if name == "vespo":
-        q = "Which objective keeps its reward as N grows?"
-        add(vespo_figure(groups, figdir / "reward_vs_N.png"), q)
+        q = "Which objective keeps the trained policy's reward as N grows?"
+        add(vespo_figure(groups, figdir / "reward_vs_N.png", summary["trainer_metric"] or "headline"), q)
     return figs
 
 

@@ -20,6 +20,8 @@ Definitions (also in docs/experiments.md):
 - ESS < 0.5 step: first step whose `staleness/ess/token` < 0.5 (None: never).
 - rare-token share: the largest `monitor/kl_share/rare` seen (the current-model monitor).
 - collapse: the smoothed reward (running mean over 5 steps) ends below half its best.
+- trainer-side collapse: the last trainer-side headline value below half the run's best
+  (step 0, the starting model, included); best trainer-side: that best.
 - staleness (versions): the run's mean over steps of how many versions the trainer was
   ahead of the weights that sampled the batch (`staleness/versions/mean` in the async
   loop, token-averaged within a step; `staleness/versions/batch` in the synchronous one);
@@ -62,9 +64,10 @@ def cell_rows(out: Path, name: str) -> list[dict]:
     return read_jsonl(path) if path.is_file() else []
 
 
-def series(rows: list[dict], key: str) -> tuple[np.ndarray, np.ndarray]:
-    """(steps, values) of the rows that hold a finite `key`."""
-    pts = [(r["step"], float(r[key])) for r in rows
+def series(rows: list[dict], key: str, x: str = "step") -> tuple[np.ndarray, np.ndarray]:
+    """(x, values) of the rows that hold a finite `key`; x: the rows' `step` (rollout steps)
+    or `version` (optimizer steps; 0 on the step-0 row, which predates any)."""
+    pts = [(r.get(x, 0), float(r[key])) for r in rows
            if key in r and isinstance(r[key], (int, float)) and math.isfinite(float(r[key]))]
     if not pts:
         return np.zeros(0), np.zeros(0)
@@ -107,6 +110,7 @@ def cell_stats(rows: list[dict]) -> dict[str, float | int | str | None]:
     reward_steps, reward = series(rows, "reward/mean")
     _, acc = series(rows, "eval/accuracy")
     headline = trainer_headline(rows)
+    _, trainer = series(rows, headline)
     _, rare = series(rows, "monitor/kl_share/rare")
     _, ess = series(rows, "staleness/ess/token")
     async_loop = any("staleness/versions/mean" in r for r in rows)
@@ -130,6 +134,8 @@ def cell_stats(rows: list[dict]) -> dict[str, float | int | str | None]:
         "final_accuracy": float(acc[-1]) if len(acc) else float("nan"),
         "trainer_metric": headline,
         "final_trainer": _last(rows, headline),
+        "best_trainer": float(trainer.max()) if len(trainer) else float("nan"),
+        "collapsed_trainer": bool(len(trainer) and trainer[-1] < 0.5 * trainer.max()),
         "final_reward_sampled": _last(rows, "eval/reward_sampled"),
         "ess_below_0.5_step": _first_below(rows, "staleness/ess/token", 0.5),
         "min_ess": float(ess.min()) if len(ess) else float("nan"),
@@ -276,11 +282,12 @@ def summarize(out: Path, probe_tokens: int = 16) -> dict:
                     "resyncs", "is_second_moment", "is_adv_second_moment",
                     "corr_second_moment", "corr_adv_second_moment", "numerical_k3",
                     "step_seconds", "probe_kl_to_ref", "best_reward_smoothed",
-                    "mean_staleness", "max_staleness", "wall_seconds"):
+                    "mean_staleness", "max_staleness", "wall_seconds", "best_trainer"):
             g[key], g[key + "_std"] = _mean_std([m[key] for m in members])
         steps = [m["ess_below_0.5_step"] for m in members]
         g["ess_below_0.5_step"] = min((s for s in steps if s is not None), default=None)
         g["collapsed"] = sum(m["collapsed"] for m in members)
+        g["collapsed_trainer"] = sum(m["collapsed_trainer"] for m in members)
         g["reward_dev_sigma"] = abs(g["final_reward"] - ref_r) / sig_r if sig_r > 0 else float("nan")
         g["accuracy_dev_sigma"] = abs(g["final_accuracy"] - ref_a) / sig_a if sig_a > 0 else float("nan")
         g["trainer_dev_sigma"] = abs(g["final_trainer"] - ref_t) / sig_t if sig_t > 0 else float("nan")
