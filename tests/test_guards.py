@@ -58,8 +58,8 @@ def _inject_nan(monkeypatch, steps: set[int]) -> None:
     real = tether.trainer.token_logprobs
     calls = {"n": 0}
 
-    def token_logprobs(model, batch, sampling):
-        logp, topk = real(model, batch, sampling)
+    def token_logprobs(model, batch, sampling, *args):
+        logp, topk = real(model, batch, sampling, *args)
         if torch.is_grad_enabled():  # the trainer's scoring with grad: once per step here
             calls["n"] += 1
             if calls["n"] in steps:

@@ -98,7 +98,8 @@ def build(quick: bool = False, seeds: int | None = None) -> Experiment:
     if quick:  # 2 prompts x 4 samples per mini-batch, 4 optimizer steps, 16 held-out problems
         ns, methods, n_seeds = (1, 4), ["grpo", "vespo"], seeds or 1
         group, prompts, opt_steps, eval_every = 4, 2, 4, 4
-        extra = ["task.eval_size=16", "eval.samples=2"]
+        # A smoke test, not a measurement: a short warm start unless --model gives one.
+        extra = ["task.eval_size=16", "eval.samples=2", "model.warmstart_steps=20"]
     else:
         ns, methods, n_seeds = NS, list(METHODS), seeds or SEEDS
         group, prompts, opt_steps, eval_every = GROUP, MINIBATCH_PROMPTS, OPT_STEPS, EVAL_EVERY
