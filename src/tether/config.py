@@ -196,7 +196,7 @@ class RolloutConfig(_Node):
         0.0, ge=0.0, description="hf engine: INJECTED mismatch, not a numerics model: scale s of "
         "Student-t noise (logit_noise_dof degrees of freedom) the generator adds to every output "
         "logit before sampling, so mu is a heavy-tailed perturbation of pi_old at equal weights "
-        "(a stand-in for a large MoE's eps, CIS Appendix A; docs/mismatch.md). 0: off.",
+        "(a stand-in for a large MoE's eps, CIS Appendix A; docs/experiments.md, E-CIS). 0: off.",
     )
     logit_noise_dof: int = Field(
         3, ge=1, description="Degrees of freedom of rollout.logit_noise's Student-t (1: Cauchy; "
