@@ -193,3 +193,42 @@ def test_router_noise_needs_a_router_and_the_hf_engine():
 
     with pytest.raises(ConfigError, match="router_noise"):
         load_config(None, ["rollout.router_noise=0.1", "rollout.engine=vllm"])
+
+
+def test_student_t_draws_are_seeded_and_heavy_tailed():
+    from tether.rollout.hf import student_t
+
+    g = torch.Generator().manual_seed(0)
+    a = student_t((20000,), 1, g, "cpu")
+    b = student_t((20000,), 1, torch.Generator().manual_seed(0), "cpu")
+    assert torch.equal(a, b)
+    # Cauchy: P(|t| > 10) = 1 - 2 atan(10) / pi = 0.0635; a normal's would be ~1e-23
+    assert 0.05 < float((a.abs() > 10).float().mean()) < 0.08
+    # dof 3: median |t| = the t_3 quantile 0.75 = 0.7649 (the variance's estimate is too noisy)
+    assert float(student_t((20000,), 3, g, "cpu").abs().median()) == pytest.approx(0.7649, rel=0.05)
+
+
+def test_injected_logit_noise_moves_mu_seeded_and_only_on_hf():
+    model = build_tiny_model(21, moe=False, seed=0)
+    prompts, ids = [[2, 3, 4]] * 4, [f"p{i}" for i in range(4)]
+    plain = HFGenerator(model, 1, 0, "fp32").generate(prompts, ids, SAMPLING, seed=1)
+    noisy = [HFGenerator(model, 1, 0, "fp32", logit_noise=(0.5, 3, 0.1, 3.0)).generate(
+        prompts, ids, SAMPLING, seed=1) for _ in range(2)]
+    assert [r.logp_rollout for r in noisy[0]] == [r.logp_rollout for r in noisy[1]]  # seeded
+    assert [r.logp_rollout for r in noisy[0]] != [r.logp_rollout for r in plain]
+    from tether.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match="logit_noise"):
+        load_config(None, ["rollout.logit_noise=0.1", "rollout.engine=vllm"])
+
+
+def test_moe_architecture_knobs_enter_the_cache_key_only_when_set():
+    from tether.models import default_model_dir
+
+    task = {"num_numbers": 3}
+    # the default architecture keeps the key it had before the knobs existed
+    assert default_model_dir("/c", True, 0, 200, task) == default_model_dir("/c", True, 0, 200, task, {})
+    assert default_model_dir("/c", True, 0, 200, task, {"experts": 8}) != default_model_dir(
+        "/c", True, 0, 200, task)
+    assert default_model_dir("/c", True, 0, 200, task, {"experts": 8}) != default_model_dir(
+        "/c", True, 0, 200, task, {"experts": 8, "aux_loss": 0.01})

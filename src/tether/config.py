@@ -58,6 +58,15 @@ class ModelConfig(_Node):
         "built and warm-started on first use and cached under cache_dir.",
     )
     moe: bool = Field(False, description="Default model only: the Qwen3-MoE variant instead of dense.")
+    moe_experts: int = Field(
+        4, ge=2, description="Default MoE model only: experts per layer (each token goes to its top 2)."
+    )
+    moe_aux_loss: float = Field(
+        0.0, ge=0.0,
+        description="Default MoE model only: weight of the router load-balancing loss (Switch / "
+        "Qwen3-MoE `router_aux_loss_coef`) added in the warm start; 0: none. Balanced routers "
+        "make the experts specialise, so a token routed elsewhere moves further.",
+    )
     seed: int = Field(0, description="Default model only: seed of its initialisation and warm-start.")
     warmstart_steps: int = Field(
         WARMSTART_STEPS, ge=0, description="Default model only: supervised steps on synthetic worked solutions."
@@ -182,6 +191,25 @@ class RolloutConfig(_Node):
     router_noise: float = Field(
         0.0, ge=0.0, description="MoE, hf engine: std of Gaussian noise the generator adds to its "
         "router logits (routing disagreement at equal weights; docs/mismatch.md). 0: off.",
+    )
+    logit_noise: float = Field(
+        0.0, ge=0.0, description="hf engine: INJECTED mismatch, not a numerics model: scale s of "
+        "Student-t noise (logit_noise_dof degrees of freedom) the generator adds to every output "
+        "logit before sampling, so mu is a heavy-tailed perturbation of pi_old at equal weights "
+        "(a stand-in for a large MoE's eps, CIS Appendix A; docs/experiments.md, E-CIS). 0: off.",
+    )
+    logit_noise_dof: int = Field(
+        3, ge=1, description="Degrees of freedom of rollout.logit_noise's Student-t (1: Cauchy; "
+        "large: near Gaussian)."
+    )
+    logit_noise_outliers: float = Field(
+        0.0, ge=0.0, le=1.0, description="Share of logits, the outliers, whose injected noise "
+        "is drawn at rollout.logit_noise_outlier_scale instead (a scale mixture: the far tail of "
+        "rho = pi_old/mu that makes E[rho^2] large, which a Student-t sized to CIS's MAD lacks). "
+        "0: off.",
+    )
+    logit_noise_outlier_scale: float = Field(
+        3.0, gt=0.0, description="Student-t scale of the outlier logits' injected noise."
     )
     prompts_per_step: int = Field(32, ge=1, description="Prompts sampled per step.")
     group_size: int = Field(GROUP_SIZE, ge=1, description="Responses per prompt (the GRPO group, G).")
@@ -421,6 +449,11 @@ class Config(_Node):
         if self.rollout.router_noise > 0 and self.rollout.engine != "hf":
             raise CrossFieldError(["rollout.router_noise", "rollout.engine"], "rollout.router_noise perturbs the hf engine's MoE router: "
                              "set rollout.engine=hf")
+        if (self.rollout.logit_noise > 0 or self.rollout.logit_noise_outliers > 0) \
+                and self.rollout.engine != "hf":
+            raise CrossFieldError(["rollout.logit_noise", "rollout.engine"],
+                                  "rollout.logit_noise is injected by the hf engine's sampler: "
+                                  "set rollout.engine=hf, or rollout.logit_noise=0")
         batch = self.rollout.prompts_per_step * self.rollout.group_size
         if batch % self.train.minibatches:
             raise CrossFieldError(

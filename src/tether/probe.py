@@ -98,6 +98,10 @@ class ProbeResult:
         lines = [
             f"tether probe: {s['model']}, engine {s['engine']}, generator {s['precision']}"
             + (f" + router noise {s['router_noise']}" if s["router_noise"] else "")
+            + (f" + INJECTED logit noise (Student-t, dof {s['logit_noise_dof']}, scale "
+               f"{s['logit_noise']}; outliers {s['logit_noise_outliers']:g} at scale "
+               f"{s['logit_noise_outlier_scale']:g})"
+               if s.get("logit_noise") or s.get("logit_noise_outliers") else "")
             + (f", routing replay {s['routing_replay']}" if s["routing_replay"] != "none" else "")
             + f"; {s['batches']} batches x {s['batch_size']} responses ({s['tokens']} tokens)",
             "",
@@ -341,6 +345,9 @@ def probe(cfg: Config, batches: int = 2) -> ProbeResult:
                     f"{steps} optimizer steps ({source})")
     settings = {"model": str(model_path), "engine": r.engine, "precision": r.precision,
                 "router_noise": r.router_noise, "routing_replay": cfg.train.routing_replay,
+                "logit_noise": r.logit_noise, "logit_noise_dof": r.logit_noise_dof,
+                "logit_noise_outliers": r.logit_noise_outliers,
+                "logit_noise_outlier_scale": r.logit_noise_outlier_scale,
                 "lr": cfg.train.lr, "estimator": cfg.train.estimator,
                 "staleness_source": source or "none", "batches": batches,
                 "batch_size": r.prompts_per_step * r.group_size, "tokens": int(mask.sum())}

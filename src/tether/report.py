@@ -289,6 +289,31 @@ def _bias_columns(tb: dict) -> list[tuple[str, str]]:
         [(f"{n}/second_moment", f"{n}: E[w²]") for n in names]
 
 
+EPSILON_COLUMNS = [("lo", "μ from"), ("hi", "μ to"), ("tokens", "tokens"), ("mad", "MAD"),
+                   ("q05", "q05"), ("q95", "q95")]
+
+
+def _measured_generators(tb: dict | None) -> list[dict]:
+    """E-CIS: the generators `truncation_bias` measured (the top level, then nested ones)."""
+    if not tb:
+        return []
+    return [tb] + [v for v in tb.values() if isinstance(v, dict) and "bins" in v]
+
+
+def _bias_test_line(test: dict) -> str:
+    per = ", ".join(analysis.fmt(x) for x in test.get("cis_over_tis_per_batch", []))
+    return (f"Test bin π_old {test['bin']}: |bias_cis| / |bias_tis| = {analysis.fmt(test['cis_over_tis'])} "
+            f"(bar ≤ 0.5: {'met' if test['passes'] else 'not met'}; per batch: {per}).")
+
+
+def _epsilon_caption(g: dict) -> str:
+    a = g.get("appendix_a", {})
+    return (f"ε = logit π_old − logit μ by generator confidence μ ({g['tokens']} tokens; pooled "
+            f"raw E[ρ²] {analysis.fmt(g.get('rho_second_moment'))}, max ρ {analysis.fmt(g.get('rho_max'))}), "
+            f"beside CIS Appendix A: MAD {a.get('mad')}, q95 {a.get('q95')}, flat across bins; "
+            f"pooled raw E[ρ²A²]/E[A²] {a.get('adv_second_moment')}:")
+
+
 def build_report(out: str | Path, command: str | None = None) -> tuple[Path, Path, list[Path]]:
     """Write OUT/report/{index.html, summary.md, *.png}; return (html, md, figure paths)."""
     import torch
@@ -327,10 +352,14 @@ def build_report(out: str | Path, command: str | None = None) -> tuple[Path, Pat
            f"Runs: {run_line or 'none recorded'}. Failed cells: {len(failed)}.", "",
            analysis.markdown_table(groups, module.COLUMNS), ""]
     tb = summary.get("truncation_bias")
-    if tb:
+    for g in _measured_generators(tb):
         caption = (f"Truncation bias by confidence bin (starting model, generator "
-                   f"{tb.get('generator', 'bf16')}; {tb['definition']}):")
-        md += [caption, "", analysis.markdown_table(tb["bins"], _bias_columns(tb)), ""]
+                   f"{g.get('generator', 'bf16')}; {g['definition']}):")
+        md += [caption, "", analysis.markdown_table(g["bins"], _bias_columns(g)), ""]
+        if g.get("test"):
+            md += [_bias_test_line(g["test"]), ""]
+        if g.get("epsilon"):
+            md += [_epsilon_caption(g), "", analysis.markdown_table(g["epsilon"], EPSILON_COLUMNS), ""]
     md += [f"![{title}]({p.name})" for p, title in figs]
     md_path = figdir / "summary.md"
     md_path.write_text("\n".join(md) + "\n")
@@ -344,9 +373,15 @@ def build_report(out: str | Path, command: str | None = None) -> tuple[Path, Pat
               f"<p>{html.escape(ref_line)}</p>",
               f"<p>Runs: {html.escape(run_line or 'none recorded')}. Failed cells: {len(failed)}.</p>",
               _html_table(groups, module.COLUMNS)]
-    if tb:
-        parts += [f"<p>Truncation bias by confidence bin ({html.escape(tb['definition'])}):</p>",
-                  _html_table(tb["bins"], _bias_columns(tb))]
+    for g in _measured_generators(tb):
+        caption = (f"Truncation bias by confidence bin (generator {html.escape(g.get('generator', ''))}; "
+                   f"{html.escape(g['definition'])}):")
+        parts += [f"<p>{caption}</p>", _html_table(g["bins"], _bias_columns(g))]
+        if g.get("test"):
+            parts.append(f"<p>{html.escape(_bias_test_line(g['test']))}</p>")
+        if g.get("epsilon"):
+            parts += [f"<p>{html.escape(_epsilon_caption(g))}</p>",
+                      _html_table(g["epsilon"], EPSILON_COLUMNS)]
     for p, title in figs:
         data = base64.b64encode(p.read_bytes()).decode()
         parts.append(f'<figure><img src="data:image/png;base64,{data}" alt="{html.escape(title)}">'

@@ -178,7 +178,9 @@ def resolve_model_path(cfg: Config) -> Path:
     if cfg.model.path:
         return Path(cfg.model.path).expanduser()
     return ensure_default_model(cfg.model.cache_dir, cfg.model.moe, cfg.model.seed,
-                                cfg.model.warmstart_steps, cfg.task.model_dump())
+                                cfg.model.warmstart_steps, cfg.task.model_dump(),
+                                moe_experts=cfg.model.moe_experts,
+                                moe_aux_loss=cfg.model.moe_aux_loss)
 
 
 def build_generator(cfg: Config, model: PreTrainedModel, model_path: Path,
@@ -195,7 +197,16 @@ def build_generator(cfg: Config, model: PreTrainedModel, model_path: Path,
         generator.load_weights(model.state_dict(), version=0)
         return generator
     return HFGenerator(model, tokenizer.eos_token_id, tokenizer.pad_token_id, r.precision,
-                       r.router_noise, record_routes=record)
+                       r.router_noise, record_routes=record,
+                       logit_noise=logit_noise(r))
+
+
+def logit_noise(r) -> tuple[float, int, float, float] | None:
+    """HFGenerator's `logit_noise` from a RolloutConfig: (scale, dof, outlier share, outlier
+    scale), or None when off."""
+    if r.logit_noise == 0 and r.logit_noise_outliers == 0:
+        return None
+    return r.logit_noise, r.logit_noise_dof, r.logit_noise_outliers, r.logit_noise_outlier_scale
 
 
 def make_run_dir(cfg: Config, resume: bool = False) -> Path:

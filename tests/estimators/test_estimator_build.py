@@ -22,7 +22,8 @@ from tether.estimators.ppo import ppo
 
 EXPECTED_PRESETS = {
     "naive", "grpo", "tis", "seq_tis", "mis", "icepop", "seq_mis", "geo_mis",
-    "cis", "gspo", "sapo", "cispo", "vespo", "decoupled", "dlc", "dlc_clip", "reweight",
+    "cis", "gspo", "sapo", "cispo", "vespo", "decoupled", "decoupled_cis", "dlc", "dlc_clip",
+    "reweight",
 }  # fmt: skip
 
 
@@ -146,7 +147,7 @@ def test_registries_refuse_duplicate_names_and_unknown_aggregations() -> None:
 
 def test_only_an_estimator_that_reads_logp_prox_needs_it() -> None:
     # The trainer scores pi_prox for exactly these (an extra no-grad forward per stale batch).
-    assert [p for p in PRESETS if build_estimator(p).needs_prox] == ["decoupled"]
+    assert [p for p in PRESETS if build_estimator(p).needs_prox] == ["decoupled", "decoupled_cis"]
     assert OBJECTIVES.get("decoupled").inputs[:2] == ("logp", "logp_prox")
 
 

@@ -294,6 +294,23 @@ def test_decoupled_caps_the_behaviour_weight() -> None:
     torch.testing.assert_close(out.weights, torch.tensor([[5.0, 2.0]]).double())
 
 
+def test_decoupled_cis_caps_the_behaviour_weight_by_confidence() -> None:
+    # CIS's recipe: pi_prox / mu capped at 1 + 2.3 max(1 - pi_prox, 0.005), not at 5.
+    # pi_prox = e^-1 = 0.3679 (low confidence): cap 1 + 2.3 * 0.6321 = 2.4538; rho 6 -> 2.4538
+    # pi_prox = e^-0.01 = 0.99005 (confident): cap 1 + 2.3 * 0.00995 = 1.02289; rho 2 -> 1.02289
+    batch = _batch([[0.0, 0.0]], [[1.0, -2.0]], log_rho=[[math.log(6.0), math.log(2.0)]],
+                   logp_old=[[-1.0, -0.01]])
+    out = build_estimator("decoupled_cis")(batch)
+    caps = [1 + 2.3 * (1 - math.exp(-1.0)), 1 + 2.3 * (1 - math.exp(-0.01))]
+    torch.testing.assert_close(out.weights, torch.tensor([caps]).double())
+    assert out.loss.item() == pytest.approx((-caps[0] + 2.0 * caps[1]) / 2)
+    # the fixed cap 5 of plain decoupled leaves both
+    torch.testing.assert_close(build_estimator("decoupled")(batch).weights,
+                               torch.tensor([[5.0, 2.0]]).double())
+    with pytest.raises(ValueError, match="behaviour_cap"):
+        build_estimator("decoupled", behaviour_cap="clamp")
+
+
 def test_decoupled_uses_logp_prox_when_given() -> None:
     # prox one version ahead of old: r' = pi / pi_prox = e^0.1 / e^0.1 = 1, w = pi_prox / mu = e^0.3
     base = _batch([[0.1]], [[1.0]], log_rho=[[0.2]])

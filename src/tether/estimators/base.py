@@ -109,6 +109,9 @@ class ObjectiveTerms:
     loss: torch.Tensor  # (B, T) l_obj, with grad
     coef: torch.Tensor  # (B, T) detached: d l_obj / d logp = -coef * A
     clipped: torch.Tensor  # (B, T) bool: tokens whose gradient the objective cut
+    # (B, T) detached, objectives that weigh by pi/mu themselves (decoupled): that weight,
+    # which the `correction/weight/*` metrics then report in place of the correction's.
+    mismatch_weight: torch.Tensor | None = None
 
 
 @dataclass

@@ -176,6 +176,7 @@ def build_estimator(
         if name in PRESETS:
             preset = PRESETS[name]
             objective, correction, centering = preset.objective, preset.correction, preset.centering
+            params = {**dict(preset.params), **params}  # the caller's values win
         else:
             parts = name.split("+")
             if len(parts) not in (2, 3) or (len(parts) == 3 and parts[2] != "centering"):

@@ -65,14 +65,16 @@ def applied_metrics(
     n = maskf.sum().clamp(min=1.0)
     a2 = advantages.square() * maskf
     rho = clamp_log_ratio(log_rho).exp()
-    corr_stats = masked_stats(corr.weight, maskf, n)
+    # the weight on pi/mu actually applied: an objective's own (decoupled), else the correction's
+    applied = corr.weight if obj.mismatch_weight is None else obj.mismatch_weight
+    corr_stats = masked_stats(applied, maskf, n)
     coef_stats = masked_stats(obj.coef, maskf, n)
     return {
         "numerical/is_weight/adv_second_moment": _adv_second_moment(rho, a2),
         "correction/weight/mean": corr_stats[0],
         "correction/weight/max": corr_stats[1],
         "correction/weight/second_moment": corr_stats[2],
-        "correction/weight/adv_second_moment": _adv_second_moment(corr.weight, a2),
+        "correction/weight/adv_second_moment": _adv_second_moment(applied, a2),
         "correction/frac_truncated": corr.truncated.sum() / n,
         "correction/frac_masked": corr.masked.sum() / n,
         "objective/frac_clipped": obj.clipped.sum() / n,

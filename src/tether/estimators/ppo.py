@@ -22,6 +22,10 @@ extra forward. Corrects: both (pi_prox / mu spans the numerics and the versions 
 generator and step start). Departure: AReaL's old default dropped tokens whose behaviour
 weight exceeded 5 (today's AReaL applies no behaviour weight unless rejection sampling
 is configured, then masks or clamps); DESIGN.md truncates to the cap, as here.
+behaviour_cap="cis" (the `decoupled_cis` preset): CIS's recipe (kzhao5/CIS-RL, its AReaL
+patch: rejection sampling action "cis") caps the behaviour weight at CIS's calibrated
+1 + lam max(1 - pi_prox, kappa) (lam 2.3, kappa 5e-3) instead of the fixed C; `cap` is then
+unused, `lam` and `kappa` are unused otherwise.
 Shapes (B, T).
 """
 
@@ -93,7 +97,8 @@ def ppo(
     "decoupled",
     corrects="both",
     level="token",
-    formula="-sg(min(pi_prox/mu, C)) min(r' A, clip(r', 1-eps, 1+eps) A), r' = pi/pi_prox",
+    formula=("-sg(min(pi_prox/mu, C)) min(r' A, clip(r', 1-eps, 1+eps) A), r' = pi/pi_prox, "
+             "C = cap, or 1 + lam max(1 - pi_prox, kappa) (behaviour_cap=cis)"),
     source="AReaL (Fu et al. 2025), decoupled PPO",
     includes_mismatch=True,
 )
@@ -107,9 +112,17 @@ def decoupled(
     clip_low: float = 0.2,
     clip_high: float = 0.2,
     cap: float = 5.0,
+    behaviour_cap: str = "fixed",
+    lam: float = 2.3,
+    kappa: float = 5e-3,
 ) -> ObjectiveTerms:
-    behaviour = clamp_log_ratio(logp_prox - logp_rollout).exp().clamp(max=cap)  # (B, T)
+    behaviour = clamp_log_ratio(logp_prox - logp_rollout).exp()  # (B, T) pi_prox / mu
+    if behaviour_cap == "cis":  # CIS's calibrated cap on pi_prox's confidence
+        behaviour = torch.minimum(behaviour, 1.0 + lam * (1.0 - logp_prox.exp()).clamp(min=kappa))
+    else:
+        behaviour = behaviour.clamp(max=cap)
     terms = clipped_surrogate(logp - logp_prox, advantages, mask, clip_low, clip_high)
     return ObjectiveTerms(
-        loss=behaviour * terms.loss, coef=behaviour * terms.coef, clipped=terms.clipped
+        loss=behaviour * terms.loss, coef=behaviour * terms.coef, clipped=terms.clipped,
+        mismatch_weight=behaviour.detach(),
     )

@@ -19,6 +19,7 @@ class Preset:
     correction: str = "none"
     centering: bool = False
     source: str = ""
+    params: tuple[tuple[str, object], ...] = ()  # the preset's own defaults over its parts'
 
     @property
     def corrects(self) -> str:
@@ -53,6 +54,7 @@ class Preset:
     def defaults(self) -> dict[str, object]:
         params = dict(OBJECTIVES.get(self.objective).defaults)
         params.update(CORRECTIONS.get(self.correction).defaults)
+        params.update(self.params)
         return params
 
 
@@ -76,6 +78,9 @@ PRESETS: dict[str, Preset] = {
         Preset("cispo", "cispo", source="CISPO (MiniMax-M1, arXiv 2506.13585); eps_hi: ScaleRL"),
         Preset("vespo", "vespo", source="VESPO (Shen et al., arXiv 2602.10693)"),
         Preset("decoupled", "decoupled", source="AReaL decoupled PPO (Fu et al. 2025)"),
+        # CIS's own recipe: AReaL's decoupled loss, its behaviour weight under CIS's cap.
+        Preset("decoupled_cis", "decoupled", params=(("behaviour_cap", "cis"),),
+               source="AReaL decoupled PPO + CIS cap on pi_prox/mu (CIS-RL's AReaL patch)"),
         Preset(
             "dlc",
             "stale_is",

@@ -150,7 +150,9 @@ _RULES: dict[str, tuple[Callable[[float], bool], str]] = {
     "tau_pos": (lambda x: 0.0 < x < math.inf, "finite and > 0"),
     "tau_neg": (lambda x: 0.0 < x < math.inf, "finite and > 0"),
 }
-_CHOICES: dict[str, tuple[str, ...]] = {"agg": AGGREGATIONS, "length_norm": LENGTH_NORMS}
+BEHAVIOUR_CAPS = ("fixed", "cis")  # decoupled's cap on pi_prox / mu: C, or CIS's calibrated one
+_CHOICES: dict[str, tuple[str, ...]] = {"agg": AGGREGATIONS, "length_norm": LENGTH_NORMS,
+                                        "behaviour_cap": BEHAVIOUR_CAPS}
 _FLAGS = {"include_rho"}
 
 

@@ -1,24 +1,36 @@
-"""E-CIS (DESIGN.md section 7): on a MoE model with a bf16 generator, what does each
-numerical correction do to the weights' second moment, to the bias by token confidence,
-and to accuracy?
+"""E-CIS (DESIGN.md section 7): on a MoE model whose generator disagrees with the trainer as
+much as CIS's Appendix A measured, what does each numerical correction do to the weights'
+second moment, to the bias on low-confidence tokens, and to the trained policy?
 
-Matrix: MoE tiny model (`model.moe=true`), generator {bf16, bf16 + router noise} x methods
-{none (grpo), tis, mis (= icepop: the same token test), cis} x seeds, plus the on-policy
-reference (fp32 generator, grpo). The tiny model's bf16 router sends under 1% of
-(token, layer) pairs to other experts; `bf16_route` adds router-logit noise of std 0.1
-(`rollout.router_noise`), which re-routes 7-9% on the warm-started model
-(docs/mismatch.md), about the 10% that R3 (arXiv 2510.11370) measured between vLLM and
-Megatron on a large MoE. `bf16_route_r3` is the same generator with routing replay R3
-(`train.routing_replay=r3`: the trainer replays the generator's experts), x {none, cis}:
-what replay leaves of the mismatch for a correction to handle. Second moments come from
-the training logs
-(`numerical/is_weight/*second_moment`: the raw rho; `correction/weight/*`: what the
-method applied). Truncation bias by confidence bin is measured once on the starting
-model (`truncation_bias`): tokens sampled by the bf16 + router-noise generator, binned
-by pi_old(y).
+The generator. CIS's Appendix A measures eps = logit pi_old - logit mu per confidence bin
+with MAD 0.16-0.24 and q95 0.26-0.50, flat across bins, and a pooled raw E[rho^2 A^2]/E[A^2]
+of 22.9. The tiny MoE's own mismatch is far smaller and not flat (docs/experiments.md,
+E-CIS, measured): bf16 gives MAD 0.01; router noise 0.3 gives MAD 0.10-0.14 but 0.05 on
+confident tokens; 8 or 16 experts with a load-balancing loss in the warm start do not
+change that; none of them lifts the raw second moment above 1.05. So the calibrated
+generator `inj` is bf16 + router noise 0.1 + INJECTED Student-t noise on every output logit
+(`rollout.logit_noise`, LOGIT_NOISE below): MAD, q95 and flatness within the bars, and a
+heavy tail. Injected: a stand-in for a large MoE's engine, not a model of one.
 
-What it simplifies: the MoE mismatch is the tiny model's router under bf16, far smaller
-than a 30B MoE's; one probe batch for the bias, not every step.
+Matrix: the on-policy reference (fp32 generator, grpo; REFERENCE_SEEDS seeds, for sigma),
+`inj` x {none (grpo), tis, mis (= icepop: the same token test), cis}, and CIS's recipe
+under staleness: `inj_lag2` (the same generator, weights 2 versions old, `sync.lag=2`) x
+{decoupled (AReaL's decoupled PPO, behaviour weight pi_prox/mu capped at 5), decoupled_cis
+(the same loss, that weight under CIS's cap instead: CIS-RL's AReaL patch)}. pi_prox is the
+trainer at the step's start weights (scored by the trainer when the batch is stale).
+Headline: the trainer-side held-out accuracy sampled like the rollouts (`eval.samples`).
+Second moments come from the training logs (`numerical/is_weight/*second_moment`: raw rho;
+`correction/weight/*`: what the method applied). Beside them, `truncation_bias` measures
+on the starting model, with the `inj` generator: eps per generator-confidence bin (beside
+Appendix A) and each correction's bias E[w - rho] per pi_old bin; the test bin is
+pi_old < 0.5, where CIS's claim sits (|bias_cis| <= 0.5 |bias_tis|).
+
+What it simplifies, to fit 60 minutes on 2 cores: the mismatch is injected (above); the
+MoE is the 200-step warm start (4 experts, top 2), 60 steps of 32 x 8 at lr 1e-4, held-out
+evaluation (200 problems, greedy and 4 samples each) every 20 steps; cut from the earlier
+matrix: the bf16 and bf16 + router noise rows (their raw second moment is about 1: nothing
+for a correction to do) and routing replay R3 (it removes routing, not injected noise); one
+starting model for the bias, not every step.
 """
 
 from __future__ import annotations
@@ -31,114 +43,184 @@ import torch
 
 from tether.experiments.runner import Cell, Experiment
 
-QUESTION = ("On a MoE model with a bf16 generator, does CIS cut the importance weights' "
-            "second moment with less bias on confident tokens than TIS or MIS, at no cost in accuracy?")
+QUESTION = ("With a generator whose mismatch is CIS Appendix A's size, does CIS bound the "
+            "importance weights' second moment with less bias than TIS on low-confidence "
+            "tokens, alone and in CIS's recipe (decoupled PPO, 2 versions stale)?")
 
 TASK = ["task.use_all=true", "task.format_weight=0.1", "sync.policy=every:1", "model.moe=true"]
 METHODS = {"none": ["train.estimator=grpo"], "tis": ["train.estimator=tis"],
-           "mis": ["train.estimator=mis"], "cis": ["train.estimator=cis"]}
+           "mis": ["train.estimator=mis"], "cis": ["train.estimator=cis"],
+           "decoupled": ["train.estimator=decoupled"],
+           "decoupled_cis": ["train.estimator=decoupled_cis"]}
 ROUTER_NOISE = 0.1
-SCENARIOS = {"exact": ["rollout.precision=fp32"], "bf16": ["rollout.precision=bf16"],
-             "bf16_route": ["rollout.precision=bf16", f"rollout.router_noise={ROUTER_NOISE}"],
-             "bf16_route_r3": ["rollout.precision=bf16", f"rollout.router_noise={ROUTER_NOISE}",
-                               "train.routing_replay=r3"]}
-R3_METHODS = ("none", "cis")  # the r3 rows: replay alone, and replay with CIS
-BIN_EDGES = (0.0, 0.5, 0.9, 0.99, 1.0)  # pi_old(y) bins; the last holds the confident tokens
+LOGIT_NOISE = (0.12, 3)  # (scale, Student-t dof) of the injected logit noise; docs/experiments.md
+OUTLIERS = (0.1, 3.0)  # inj_tail: (share of logits, Student-t scale) of the outlier component
+LAG = 2  # CIS's recipe: AReaL with max_head_offpolicyness 2
+INJECTED = ["rollout.precision=bf16", f"rollout.router_noise={ROUTER_NOISE}",
+            f"rollout.logit_noise={LOGIT_NOISE[0]}", f"rollout.logit_noise_dof={LOGIT_NOISE[1]}"]
+TAIL = INJECTED + [f"rollout.logit_noise_outliers={OUTLIERS[0]}",
+                   f"rollout.logit_noise_outlier_scale={OUTLIERS[1]}"]
+SCENARIOS = {"exact": ["rollout.precision=fp32"], "inj": INJECTED, "inj_tail": TAIL,
+             f"inj_lag{LAG}": INJECTED + [f"sync.lag={LAG}"]}
+REFERENCE_SEEDS = 5  # DESIGN.md: sigma from >= 5 reference seeds
+BIN_EDGES = (0.0, 0.5, 0.9, 0.99, 1.0)  # pi_old(y) bins; the first, p < 0.5, is the test
 BIAS_CORRECTIONS = ("none", "tis", "mis", "cis")
+BIAS_CHUNKS = 4  # the bias is measured on this many independent batches, and pooled
+CIS_APPENDIX_A = {"mad": (0.16, 0.24), "q95": (0.26, 0.50), "adv_second_moment": 22.9}
 
 
 def build(quick: bool = False, seeds: int | None = None) -> Experiment:
+    lagged = f"inj_lag{LAG}"
     if quick:
-        n_seeds, methods, scenarios = seeds or 1, ["none", "cis"], ("bf16_route",)
-        base = TASK + ["model.warmstart_steps=20", "train.steps=3", "train.lr=5e-4",
+        n_seeds, n_ref = seeds or 1, seeds or 1
+        plan = {"inj": ["cis"], lagged: ["decoupled_cis"]}
+        base = TASK + ["model.warmstart_steps=20", "train.steps=3", "train.lr=1e-4",
                        "rollout.prompts_per_step=8", "rollout.group_size=4",
-                       "rollout.max_new_tokens=12", "task.eval_size=16", "eval.every=0",
-                       "eval.samples=0", "diagnostics.monitor_every=0",
+                       "rollout.max_new_tokens=12", "task.eval_size=8", "eval.every=0",
+                       "eval.samples=2", "diagnostics.monitor_every=0",
                        "run.checkpoint_every=0"]
     else:
-        n_seeds, methods, scenarios = seeds or 3, list(METHODS), ("bf16", "bf16_route")
-        base = TASK + ["model.warmstart_steps=200", "train.steps=40", "train.lr=5e-4",
+        n_seeds, n_ref = seeds or 3, max(seeds or 3, REFERENCE_SEEDS)
+        plan = {"inj": ["none", "tis", "mis", "cis"], "inj_tail": ["tis", "cis"],
+                lagged: ["decoupled", "decoupled_cis"]}
+        base = TASK + ["model.warmstart_steps=200", "train.steps=60", "train.lr=1e-4",
                        "rollout.prompts_per_step=32", "rollout.group_size=8",
-                       "rollout.max_new_tokens=12", "eval.every=10", "eval.samples=0",
-                       "diagnostics.monitor_every=10", "run.checkpoint_every=10"]
+                       "rollout.max_new_tokens=12", "eval.every=20", "eval.samples=4",
+                       "diagnostics.monitor_every=0", "run.checkpoint_every=10"]
     cells = [Cell("exact", "none", s, tuple(SCENARIOS["exact"] + METHODS["none"]))
-             for s in range(n_seeds)]
+             for s in range(n_ref)]
     cells += [Cell(scen, m, s, tuple(SCENARIOS[scen] + METHODS[m]))
-              for s in range(n_seeds) for scen in scenarios for m in methods]
-    cells += [Cell("bf16_route_r3", m, s, tuple(SCENARIOS["bf16_route_r3"] + METHODS[m]))
-              for s in range(n_seeds) for m in (R3_METHODS[:1] if quick else R3_METHODS)]
+              for s in range(n_seeds) for scen, methods in plan.items() for m in methods]
     notes = ["mis stands for mis/icepop (the same token band test, (0.5, 2))",
              "on-policy reference: exact (fp32 generator) x none (grpo)",
-             f"bf16_route: bf16 + router-logit noise std {ROUTER_NOISE} (rollout.router_noise)",
-             "bf16_route_r3: the same generator, trainer replaying its experts (R3)",
-             (f"truncation bias: starting model, bf16 + router noise {ROUTER_NOISE}, "
-              f"pi_old bins {BIN_EDGES}")]
+             (f"inj: bf16 + router noise {ROUTER_NOISE} + INJECTED Student-t logit noise "
+              f"(scale {LOGIT_NOISE[0]}, dof {LOGIT_NOISE[1]}; rollout.logit_noise): a stand-in "
+              "for a large MoE's mismatch, sized to CIS Appendix A's eps"),
+             (f"inj_tail: inj with {OUTLIERS[0]:g} of logits' noise at scale {OUTLIERS[1]:g} "
+              "(rollout.logit_noise_outliers): the heavy tail behind a large raw E[rho^2 A^2], "
+              "at the cost of an eps q95 several times Appendix A's"),
+             (f"{lagged}: the inj generator {LAG} versions stale (sync.lag={LAG}); decoupled: "
+              "AReaL's decoupled PPO (pi_prox/mu capped at 5); decoupled_cis: CIS's recipe "
+              "(that weight under CIS's cap)"),
+             (f"eps and truncation bias: starting model, inj generator, pi_old bins "
+              f"{BIN_EDGES}; the test bin is pi_old < 0.5")]
     return Experiment("cis", QUESTION, base, cells, ("exact", "none"), notes)
 
 
 COLUMNS = [("scenario", "generator"), ("method", "method"), ("seeds", "seeds"),
-           ("final_trainer", "final trainer-side"), ("final_accuracy", "final acc"),
+           ("final_trainer", "final trainer-side"), ("trainer_dev_sigma", "trainer-side dev (σ)"),
+           ("final_accuracy", "final acc (greedy)"),
            ("final_reward", "final batch reward (generator-side)"),
-           ("accuracy_dev_sigma", "acc dev (σ)"), ("is_second_moment", "E[ρ²] raw"),
+           ("is_second_moment", "E[ρ²] raw"),
            ("is_adv_second_moment", "E[ρ²A²]/E[A²] raw"), ("corr_second_moment", "E[w²] applied"),
            ("corr_adv_second_moment", "E[w²A²]/E[A²] applied"), ("numerical_k3", "numerical k3")]
 
 
-@torch.no_grad()
-def truncation_bias(out: Path, prompts: int = 64, samples: int = 4, seed: int = 4321) -> dict:
-    """Per pi_old bin and correction: mean (w - rho), its share of mean rho, E[w^2].
+def _bias_rows(rho: torch.Tensor, p_old: torch.Tensor, mask: torch.Tensor,
+               weights: dict[str, torch.Tensor]) -> list[dict]:
+    """Per pi_old bin: tokens, mean rho, E[rho^2], and per correction mean(w - rho), E[w^2]."""
+    rows = []
+    for lo, hi in itertools.pairwise(BIN_EDGES):
+        sel = mask & (p_old >= lo) & ((p_old < hi) if hi < 1.0 else (p_old <= hi))
+        n = int(sel.sum())
+        nan = float("nan")
+        row = {"bin": f"[{lo:g}, {hi:g}{']' if hi == 1.0 else ')'}", "tokens": n,
+               "rho_mean": float(rho[sel].mean()) if n else nan,
+               "rho_second_moment": float((rho[sel] ** 2).mean()) if n else nan}
+        for name, w in weights.items():
+            row[f"{name}/bias"] = float((w[sel] - rho[sel]).mean()) if n else nan
+            row[f"{name}/second_moment"] = float((w[sel] ** 2).mean()) if n else nan
+        rows.append(row)
+    return rows
+
+
+def _ratio(row: dict) -> float:
+    """|bias_cis| / |bias_tis| in a bin (NaN when tis has no bias there)."""
+    tis = abs(row["tis/bias"])
+    return abs(row["cis/bias"]) / tis if tis > 0 else float("nan")
+
+
+def truncation_bias(out: Path, seed: int = 4321) -> dict:
+    """eps per generator-confidence bin, and per pi_old bin and correction: mean (w - rho), E[w^2].
 
     The bias of a corrected estimator relative to exact importance sampling, on a token
     whose score term is the same for every token of the bin, is E[(w - rho) g] = g E[w - rho]:
-    the column `bias` (w = 1 for `none`: the uncorrected estimator's bias). Cached in
-    OUT/truncation_bias.json.
+    the column `bias` (w = 1 for `none`: the uncorrected estimator's bias). Sampled on the
+    starting model by the `inj` generator (the result's top level) and by `inj_tail` (its
+    key "inj_tail"): BIAS_CHUNKS batches of 8 x rollout.prompts_per_step prompts x
+    rollout.group_size each; pooled, and the test (pi_old < 0.5: |bias_cis| <= 0.5 |bias_tis|)
+    also per batch. Cached in OUT/truncation_bias.json.
     """
     path = Path(out) / "truncation_bias.json"
     if path.is_file():
         return json.loads(path.read_text())
+    meta = json.loads((Path(out) / "experiment.json").read_text())
+    result = {**measure_generator(meta, "inj", seed), "inj_tail": measure_generator(meta, "inj_tail", seed)}
+    path.write_text(json.dumps(result, indent=1))
+    return result
+
+
+@torch.no_grad()
+def measure_generator(meta: dict, scenario: str, seed: int) -> dict:
+    """`truncation_bias`'s measurement for one scenario's generator on the starting model."""
+    from dataclasses import asdict
+
     from tether.config import load_config
     from tether.estimators import CORRECTIONS
     from tether.models import load_model
     from tether.models.tokenizer import encode_exact
+    from tether.probe import _cat, epsilon_bins
     from tether.rollout.hf import HFGenerator
     from tether.rollout.types import SamplingParams
+    from tether.run import logit_noise
     from tether.tasks import task_from_config
     from tether.trainer import collate, token_logprobs
 
-    meta = json.loads((Path(out) / "experiment.json").read_text())
-    cfg = load_config(None, meta["base"] + SCENARIOS["bf16_route"])
+    cfg = load_config(None, meta["base"] + SCENARIOS[scenario])
+    r = cfg.rollout
     task = task_from_config(cfg.task)
     model, tok = load_model(meta["model_path"])
     model.eval()
-    problems = [task.train_problem(10_000_000 + i) for i in range(prompts)]
-    sampling = SamplingParams(n=samples, max_new_tokens=cfg.rollout.max_new_tokens)
-    gen = HFGenerator(model, tok.eos_token_id, tok.pad_token_id, cfg.rollout.precision,
-                      cfg.rollout.router_noise)
-    batch = collate(gen.generate([encode_exact(tok, p.prompt) for p in problems],
-                                 [p.id for p in problems], sampling, seed=seed), tok.pad_token_id)
-    logp_old, _ = token_logprobs(model, batch, sampling)  # (B, T) fp32 trainer, same weights
-    mask = batch.response_mask.bool()
-    rho = (logp_old - batch.logp_rollout).clamp(-20, 20).exp()
-    p_old = logp_old.exp()
-    tensors = {"logp_old": logp_old, "logp_rollout": batch.logp_rollout, "mask": mask}
+    sampling = SamplingParams(n=r.group_size, max_new_tokens=r.max_new_tokens)
+    gen = HFGenerator(model, tok.eos_token_id, tok.pad_token_id, r.precision, r.router_noise,
+                      logit_noise=logit_noise(r))
+    prompts = 8 * r.prompts_per_step
+    old, mu, masks = [], [], []
+    for c in range(BIAS_CHUNKS):
+        problems = [task.train_problem(10_000_000 + c * prompts + i) for i in range(prompts)]
+        batch = collate(gen.generate([encode_exact(tok, p.prompt) for p in problems],
+                                     [p.id for p in problems], sampling, seed=seed + c),
+                        tok.pad_token_id)
+        logp_old, _ = token_logprobs(model, batch, sampling)  # (B, T) fp32 trainer, same weights
+        old.append(logp_old)
+        mu.append(batch.logp_rollout)
+        masks.append(batch.response_mask)
+    logp_old, logp_mu, mask = _cat(old), _cat(mu), _cat(masks).bool()
+    rho = (logp_old - logp_mu).clamp(-20, 20).exp()  # (B, T)
+    tensors = {"logp_old": logp_old, "logp_rollout": logp_mu, "mask": mask}
     weights = {}
     for name in BIAS_CORRECTIONS:
         entry = CORRECTIONS.get(name)
-        weights[name] = entry.fn(*(tensors[k] for k in entry.inputs)).weight
-    bins = []
-    for lo, hi in itertools.pairwise(BIN_EDGES):
-        sel = mask & (p_old >= lo) & ((p_old < hi) if hi < 1.0 else (p_old <= hi))
-        n = int(sel.sum())
-        row = {"bin": f"[{lo:g}, {hi:g}{']' if hi == 1.0 else ')'}", "tokens": n,
-               "rho_mean": float(rho[sel].mean()) if n else float("nan"),
-               "rho_second_moment": float((rho[sel] ** 2).mean()) if n else float("nan")}
-        for name, w in weights.items():
-            w = w.expand_as(rho)
-            row[f"{name}/bias"] = float((w[sel] - rho[sel]).mean()) if n else float("nan")
-            row[f"{name}/second_moment"] = float((w[sel] ** 2).mean()) if n else float("nan")
-        bins.append(row)
-    result = {"bins": bins, "tokens": int(mask.sum()), "prompts": prompts, "samples": samples,
-              "generator": f"{cfg.rollout.precision} + router noise {cfg.rollout.router_noise:g}",
-              "definition": "bias = mean over the bin's tokens of (w - rho), rho = pi_old/mu"}
-    path.write_text(json.dumps(result, indent=1))
-    return result
+        weights[name] = entry.fn(*(tensors[k] for k in entry.inputs)).weight.expand_as(rho)
+    p_old = logp_old.exp()
+    bins = _bias_rows(rho, p_old, mask, weights)
+    per_batch, start = [], 0
+    for n in (o.shape[0] for o in old):
+        sl = slice(start, start + n)
+        start += n
+        low = _bias_rows(rho[sl], p_old[sl], mask[sl], {k: w[sl] for k, w in weights.items()})[0]
+        per_batch.append(_ratio(low))
+    ratio = _ratio(bins[0])
+    rho_v = rho[mask]
+    noise = (f" + INJECTED Student-t logit noise (scale {r.logit_noise:g}, dof {r.logit_noise_dof}"
+             + (f"; {r.logit_noise_outliers:g} of logits at scale {r.logit_noise_outlier_scale:g}"
+                if r.logit_noise_outliers else "") + ")")
+    return {"scenario": scenario, "bins": bins, "tokens": int(mask.sum()),
+            "prompts": prompts * BIAS_CHUNKS, "samples": r.group_size,
+            "rho_second_moment": float((rho_v ** 2).mean()), "rho_max": float(rho_v.max()),
+            "epsilon": [asdict(b) for b in epsilon_bins(logp_old, logp_mu, mask)],
+            "appendix_a": CIS_APPENDIX_A,
+            "generator": f"{r.precision} + router noise {r.router_noise:g}{noise}",
+            "test": {"bin": bins[0]["bin"], "cis_over_tis": ratio, "passes": ratio <= 0.5,
+                     "cis_over_tis_per_batch": per_batch},
+            "definition": "bias = mean over the bin's tokens of (w - rho), rho = pi_old/mu"}

@@ -19,7 +19,7 @@ from transformers import (
 
 from tether.defaults import MODEL_CACHE_DIR, WARMSTART_STEPS
 from tether.errors import InputError
-from tether.models.tiny import build_tiny_model
+from tether.models.tiny import MOE_EXPERTS, build_tiny_model
 from tether.models.tokenizer import build_char_tokenizer
 from tether.models.warmstart import warm_start
 
@@ -33,9 +33,14 @@ RECIPE_VERSION = 1
 TASK_KNOBS = ("num_numbers", "num_min", "num_max", "target_min", "target_max", "use_all", "answer")
 
 
-def default_model_dir(cache_dir: str, moe: bool, seed: int, warmstart_steps: int, task_key: dict) -> Path:
-    key = json.dumps({"v": RECIPE_VERSION, "moe": moe, "seed": seed, "steps": warmstart_steps,
-                      "task": task_key}, sort_keys=True)
+def default_model_dir(cache_dir: str, moe: bool, seed: int, warmstart_steps: int, task_key: dict,
+                      arch_key: dict | None = None) -> Path:
+    """`arch_key`: the MoE knobs that differ from the default architecture (none: keyed as
+    before they existed, so cached models stay valid)."""
+    key = {"v": RECIPE_VERSION, "moe": moe, "seed": seed, "steps": warmstart_steps, "task": task_key}
+    if arch_key:
+        key["arch"] = arch_key
+    key = json.dumps(key, sort_keys=True)
     digest = hashlib.sha256(key.encode()).hexdigest()[:12]
     kind = "moe" if moe else "dense"
     return Path(os.path.expanduser(cache_dir)) / f"tiny-{kind}-{digest}"
@@ -45,11 +50,14 @@ def ensure_default_model(
     cache_dir: str = MODEL_CACHE_DIR, moe: bool = False, seed: int = 0,
     warmstart_steps: int = WARMSTART_STEPS,
     task_kwargs: dict | None = None, verbose: bool = True,
+    moe_experts: int = MOE_EXPERTS, moe_aux_loss: float = 0.0,
 ) -> Path:
     """Build and warm-start tether's tiny model unless cached; return its HF directory.
 
     `task_kwargs` are CountdownTask knobs (others are ignored); the cache key holds their
-    resolved values, so defaults passed explicitly or left out find the same model. The
+    resolved values, so defaults passed explicitly or left out find the same model; so do
+    `moe_experts` (experts per layer) and `moe_aux_loss` (the router load-balancing loss's
+    weight in the warm start), MoE only, keyed only when not the default. The
     directory loads with AutoModelForCausalLM / AutoTokenizer. It is written to a
     temporary directory and renamed into place, so a killed build leaves no half model.
     """
@@ -60,16 +68,22 @@ def ensure_default_model(
     key = {k: getattr(task, k) for k in TASK_KNOBS}
     if key["answer"] == "expr":  # keyed as before the option existed: cached models stay valid
         del key["answer"]
-    out = default_model_dir(cache_dir, moe, seed, warmstart_steps, key)
+    arch = {}
+    if moe and moe_experts != MOE_EXPERTS:
+        arch["experts"] = moe_experts
+    if moe and moe_aux_loss:
+        arch["aux_loss"] = moe_aux_loss
+    out = default_model_dir(cache_dir, moe, seed, warmstart_steps, key, arch)
     if (out / "config.json").is_file():
         return out
     tokenizer = build_char_tokenizer(ALPHABET)
-    model = build_tiny_model(len(tokenizer), moe=moe, seed=seed)
+    model = build_tiny_model(len(tokenizer), moe=moe, seed=seed, experts=moe_experts)
     if verbose:
         print(f"building tether's tiny {'MoE' if moe else 'dense'} model: "
               f"{warmstart_steps} warm-start steps -> {out}")
     warm_start(model, tokenizer, task, warmstart_steps, seed=seed,
-               log_every=max(1, warmstart_steps // 5) if verbose else 0)
+               log_every=max(1, warmstart_steps // 5) if verbose else 0,
+               router_aux_loss=moe_aux_loss if moe else 0.0)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=".building-"))
     model.save_pretrained(tmp)

@@ -19,8 +19,12 @@ from transformers import (
 MAX_POSITIONS = 128
 
 
-def tiny_config(vocab_size: int = 21, moe: bool = False) -> PretrainedConfig:
-    """The architecture of the default model (dense Qwen3, or Qwen3-MoE with 4 experts, top 2)."""
+MOE_EXPERTS = 4  # the default MoE model's experts per layer (each token to its top 2)
+
+
+def tiny_config(vocab_size: int = 21, moe: bool = False, experts: int = MOE_EXPERTS) -> PretrainedConfig:
+    """The architecture of the default model (dense Qwen3, or Qwen3-MoE with `experts`
+    experts, top 2)."""
     common = {
         "vocab_size": vocab_size,
         "hidden_size": 192,
@@ -39,7 +43,7 @@ def tiny_config(vocab_size: int = 21, moe: bool = False) -> PretrainedConfig:
         return Qwen3MoeConfig(
             intermediate_size=768,
             moe_intermediate_size=256,
-            num_experts=4,
+            num_experts=experts,
             num_experts_per_tok=2,
             decoder_sparse_step=1,
             norm_topk_prob=True,
@@ -48,10 +52,11 @@ def tiny_config(vocab_size: int = 21, moe: bool = False) -> PretrainedConfig:
     return Qwen3Config(intermediate_size=768, **common)
 
 
-def build_tiny_model(vocab_size: int = 21, moe: bool = False, seed: int = 0) -> PreTrainedModel:
+def build_tiny_model(vocab_size: int = 21, moe: bool = False, seed: int = 0,
+                     experts: int = MOE_EXPERTS) -> PreTrainedModel:
     """A freshly initialised tiny model, deterministic for `seed`, in fp32."""
     torch.manual_seed(seed)
-    config = tiny_config(vocab_size, moe)
+    config = tiny_config(vocab_size, moe, experts)
     config._attn_implementation = "sdpa"
     model_cls = Qwen3MoeForCausalLM if moe else Qwen3ForCausalLM
     return model_cls(config).float()

@@ -46,8 +46,14 @@ def warm_start(
     lr: float = 2e-3,
     seed: int = 0,
     log_every: int = 0,
+    router_aux_loss: float = 0.0,
 ) -> list[float]:
-    """Train `model` in place for `steps` AdamW steps (warmup, then cosine to 10%); returns losses."""
+    """Train `model` in place for `steps` AdamW steps (warmup, then cosine to 10%); returns losses.
+
+    `router_aux_loss` > 0 (MoE): the loss adds that times the router load-balancing loss
+    (Switch Transformer's, as Qwen3-MoE computes it with `output_router_logits`), which
+    spreads tokens over the experts. The returned losses are the language-model loss alone.
+    """
     torch.manual_seed(seed)
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01)
     warmup = max(1, steps // 20)
@@ -58,18 +64,22 @@ def warm_start(
         return 0.1 + 0.45 * (1 + math.cos(math.pi * (s - warmup) / max(1, steps - warmup)))
 
     sched = torch.optim.lr_scheduler.LambdaLR(opt, schedule)
+    aux = router_aux_loss > 0
+    if aux:
+        model.config.router_aux_loss_coef = router_aux_loss
     model.train()
     losses = []
     for step in range(steps):
         ids, labels = sft_batch(task, tokenizer, step * batch_size, batch_size)
-        loss = model(input_ids=ids, attention_mask=(ids != tokenizer.pad_token_id) | (labels != -100),
-                     labels=labels).loss
+        out = model(input_ids=ids, attention_mask=(ids != tokenizer.pad_token_id) | (labels != -100),
+                    labels=labels, **({"output_router_logits": True} if aux else {}))
+        loss = out.loss  # with aux: lm loss + router_aux_loss * balancing loss
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         sched.step()
-        losses.append(loss.item())
+        losses.append((loss - router_aux_loss * out.aux_loss).item() if aux else loss.item())
         if log_every and (step + 1) % log_every == 0:
             print(f"warm-start step {step + 1}/{steps} loss {sum(losses[-log_every:]) / log_every:.4f}")
     model.eval()

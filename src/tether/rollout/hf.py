@@ -7,6 +7,10 @@ log-prob is taken from the processed distribution it was drawn from: logits / T,
 then top-k, then top-p, then renormalised (`process_logits`). With `record_routes`
 (routing replay R3), each rollout also carries the experts the generator's routers chose
 at every position it forwarded (`Rollout.routed_experts`, tether.models.routing).
+With `logit_noise` (`rollout.logit_noise`: injected, not a numerics model), every output
+logit gets Student-t noise before it is processed (`student_t`; a given share of logits,
+the outliers, at a larger scale), so the generator samples from, and reports the log-probs of, a
+heavy-tailed perturbation of the trainer's policy.
 """
 
 from __future__ import annotations
@@ -45,13 +49,26 @@ def process_logits(logits: torch.Tensor, temperature: float, top_k: int, top_p: 
     return torch.log_softmax(logits, dim=-1)
 
 
+def student_t(shape: tuple[int, ...], dof: int, g: torch.Generator, device) -> torch.Tensor:
+    """Standard Student-t draws with integer `dof` from generator `g`:
+    t = z / sqrt(chi2_dof / dof), chi2_dof a sum of dof squared standard normals (torch's
+    StudentT takes no generator)."""
+    z = torch.randn(shape, generator=g, device=device)
+    chi2 = torch.randn((dof, *shape), generator=g, device=device).square().sum(0)
+    return z / (chi2 / dof).sqrt()
+
+
 class HFGenerator:
     """Generator protocol over a transformers causal LM (the default engine)."""
 
     engine = "hf"
 
     def __init__(self, model: PreTrainedModel, eos_id: int, pad_id: int, precision: str = "fp32",
-                 router_noise: float = 0.0, record_routes: bool = False):
+                 router_noise: float = 0.0, record_routes: bool = False,
+                 logit_noise: tuple[float, int, float, float] | None = None):
+        """`logit_noise` (scale, dof, outlier share, outlier scale): INJECTED Student-t noise
+        on every output logit before sampling (rollout.logit_noise*), at the outlier scale on
+        that share of logits; drawn from its own generator, reseeded per batch."""
         self.model = copy.deepcopy(model).eval()
         self.eos_id, self.pad_id = eos_id, pad_id
         self.precision = precision
@@ -61,6 +78,8 @@ class HFGenerator:
         # Router noise draws from its own generator, reseeded with every batch, so a
         # resumed run samples the same routes.
         self.noise = torch.Generator(self.model.device)
+        self.logit_noise = logit_noise
+        self.logit_gen = torch.Generator(self.model.device)
         if router_noise > 0 and add_router_noise(self.model, router_noise, self.noise) == 0:
             raise InputError("rollout.router_noise needs a MoE model (model.moe=true); "
                              "this model has no router")
@@ -82,6 +101,15 @@ class HFGenerator:
         records the version that sampled it (`Rollout.token_versions`)."""
         g = torch.Generator(self.model.device).manual_seed(seed)
         self.noise.manual_seed(seed + 1)
+        perturb = None
+        if self.logit_noise is not None:
+            scale, dof, share, outlier_scale = self.logit_noise
+            self.logit_gen.manual_seed(seed + 2)
+
+            def perturb(logits: torch.Tensor) -> torch.Tensor:  # (rows, V)
+                t = student_t(tuple(logits.shape), dof, self.logit_gen, logits.device)
+                outlier = torch.rand(logits.shape, generator=self.logit_gen, device=logits.device) < share
+                return logits.float() + torch.where(outlier, outlier_scale, scale) * t
         n = sampling.n
         rows = [p for p in prompts for _ in range(n)]  # prompt-major: group members adjacent
         step_versions: list[int] = []  # the version that sampled each decode step's tokens
@@ -100,7 +128,7 @@ class HFGenerator:
 
             out = sample_tokens(self.model, rows, sampling, g, self.eos_id, self.pad_id,
                                 before_step if refresh is not None else None,
-                                after_forward if routes is not None else None)
+                                after_forward if routes is not None else None, perturb)
         L = max(len(p) for p in rows)
         experts = torch.cat(columns, dim=1) if columns else None  # (B, L + steps, layers, k)
         rollouts = []
@@ -150,6 +178,7 @@ def sample_tokens(
     pad_id: int,
     before_step: Callable[[], bool] | None = None,
     after_forward: Callable[[tuple[int, int], int], None] | None = None,
+    perturb: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> list[tuple[list[int], list[float], list[list[int]] | None, list[list[float]] | None, str]]:
     """Sample one continuation per prompt (temperature 0: greedy), batched, with a KV cache.
 
@@ -160,7 +189,8 @@ def sample_tokens(
     `after_forward((B, S), new)` runs after each forward over S positions, of which the
     last `new` are positions no earlier forward sampled from (the prompt at the prefill,
     then one per step; a recomputed prefix keeps what it had when it was sampled).
-    Without `after_forward`, rows with the same prompt (a group) share its prefill (each
+    `perturb(logits)` (injected logit noise) replaces each step's (rows, V) logits before
+    they are processed and sampled. Without `after_forward`, rows with the same prompt (a group) share its prefill (each
     distinct prompt is run once and its KV cache indexed out to its rows), and a row that
     has sampled eos leaves the batch: later steps forward only the rows still sampling.
     Returns per row: token ids, their log-probs, optional top-K ids and log-probs,
@@ -198,6 +228,8 @@ def sample_tokens(
             ).logits[:, -1, :]  # (rows, V)
         if after_forward is not None:
             after_forward(tuple(step_ids.shape), L if step == 0 else 1)
+        if perturb is not None:
+            logits = perturb(logits)
         logp_all = process_logits(logits, sampling.temperature, sampling.top_k, sampling.top_p)
         if sampling.temperature > 0:
             nxt = torch.multinomial(logp_all.exp(), 1, generator=g).squeeze(-1)
