@@ -157,6 +157,7 @@ def test_library_defaults_match_the_config_defaults():
     from tether.models import ensure_default_model
     from tether.monitor import current_model_monitor
     from tether.rollout import SamplingParams
+    from tether.tasks import CountdownTask
 
     cfg = Config()
     sampling = {f.name: f.default for f in dataclasses.fields(SamplingParams)}
@@ -177,6 +178,7 @@ def test_library_defaults_match_the_config_defaults():
         "eval.batch_size (greedy)": (cfg.eval.batch_size, _default(greedy_accuracy, "batch_size")),
         "diagnostics.rare_prob": (cfg.diagnostics.rare_prob,
                                   _default(current_model_monitor, "rare_prob")),
+        "task.rl_share": (cfg.task.rl_share, _default(CountdownTask, "rl_share")),
     }
     differ = {key: pair for key, pair in pairs.items() if pair[0] != pair[1]}
     assert differ == {}, f"(config default, library default) disagree: {differ}"

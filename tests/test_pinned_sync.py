@@ -8,7 +8,9 @@ was 2e-7 relative (3.6e-5 on a sequence chi^2 of 198.67). Re-recorded for the ne
 eval/reward_sampled (issue 13); every other value and the weights were unchanged. Re-recorded
 again for a change of trajectory: the generator forwards only the rows still sampling, so a
 finished row no longer takes a random draw and later rows' samples differ (and the trainer
-runs each prompt once, responses in length buckets: float order). Three configurations cover the paths
+runs each prompt once, responses in length buckets: float order); and again for new
+problems: training draws only Countdown's RL share (task.rl_share), and the warm start only
+the rest. Three configurations cover the paths
 the step takes: an fp8 generator lagging one version with two optimizer steps per batch
 (kept snapshots, lagged deliveries), dlc with an ESS trip that regenerates the batch
 (centering over the top-K, re-syncs), and an ESS trip measured on the training forward. Float results depend on the CPU's vector kernels:

@@ -29,6 +29,7 @@ from tether.defaults import (
     MAX_NEW_TOKENS,
     MODEL_CACHE_DIR,
     RARE_PROB,
+    RL_SHARE,
     TEMPERATURE,
     WARMSTART_STEPS,
 )
@@ -103,6 +104,12 @@ class CountdownTaskConfig(_Node):
         "expr", description="How the answer is written: one expression '(9-3)*7', or its steps "
         "'9-3=6,7*6=42' (each number, given or intermediate, used at most once; responses "
         "several times longer). The default model is warm-started on this format.",
+    )
+    rl_share: float = Field(
+        RL_SHARE, ge=0.0, lt=1.0,
+        description="Share of problems kept for RL: training batches draw only from them and "
+        "the default model's warm start only from the rest (a hash of numbers and target), so "
+        "RL trains on problems the warm start never solved. 0: one stream for both.",
     )
 
     @model_validator(mode="after")

@@ -25,3 +25,6 @@ EVAL_BATCH_SIZE = 200
 
 RARE_PROB = 0.05
 """diagnostics.rare_prob; current_model_monitor(rare_prob=)."""
+
+RL_SHARE = 0.25
+"""task.rl_share; CountdownTask(rl_share=): problems kept for RL, unseen by the warm start."""

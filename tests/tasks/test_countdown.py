@@ -259,3 +259,18 @@ def test_use_all_solutions_use_every_number():
         literals = sorted(int(x) for x in re.findall(r"\d+", problem.solution))
         assert literals == sorted(problem.meta["numbers"]), problem
         assert task.reward(problem, problem.solution).total == 1.0
+
+
+def test_rl_problems_are_none_the_warm_start_solved():
+    """rl_share splits the problems: RL draws only its share, the warm start only the rest,
+    neither a held-out one; rl_share=0 is the single stream of before."""
+    task = CountdownTask(use_all=True, eval_size=50)
+    key = lambda p: (tuple(sorted(p.meta["numbers"])), p.meta["target"])  # noqa: E731
+    rl = {key(task.train_problem(i)) for i in range(2000)}
+    sft = {key(task.warmstart_problem(i)) for i in range(8000)}
+    held = {key(p) for p in task.eval_problems()}
+    assert len(rl) > 100 and len(sft) > 3 * len(rl) // 2
+    assert not rl & sft and not (rl | sft) & held
+    one = CountdownTask(use_all=True, eval_size=50, rl_share=0.0)
+    assert {key(one.train_problem(i)) for i in range(500)} & \
+        {key(one.warmstart_problem(i)) for i in range(500)}

@@ -30,7 +30,8 @@ RECIPE_VERSION = 1
 
 
 # The Countdown knobs that shape the warm-start data, hence the cached model.
-TASK_KNOBS = ("num_numbers", "num_min", "num_max", "target_min", "target_max", "use_all", "answer")
+TASK_KNOBS = ("num_numbers", "num_min", "num_max", "target_min", "target_max", "use_all", "answer",
+              "rl_share")
 
 
 def default_model_dir(cache_dir: str, moe: bool, seed: int, warmstart_steps: int, task_key: dict,
@@ -66,8 +67,9 @@ def ensure_default_model(
     knobs = {k: v for k, v in (task_kwargs or {}).items() if k in TASK_KNOBS}
     task = CountdownTask(**knobs, seed=seed)
     key = {k: getattr(task, k) for k in TASK_KNOBS}
-    if key["answer"] == "expr":  # keyed as before the option existed: cached models stay valid
-        del key["answer"]
+    for knob, before in (("answer", "expr"), ("rl_share", 0.0)):
+        if key[knob] == before:  # keyed as before the option existed: cached models stay valid
+            del key[knob]
     arch = {}
     if moe and moe_experts != MOE_EXPERTS:
         arch["experts"] = moe_experts

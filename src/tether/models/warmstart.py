@@ -23,7 +23,7 @@ def sft_batch(
     """Token ids (B, L) right-padded, and labels (B, L) with -100 outside the solution."""
     rows, labels = [], []
     for i in range(start, start + size):
-        p = task.train_problem(i)
+        p = task.warmstart_problem(i)  # never an RL training problem (CountdownTask rl_share)
         prompt = encode_exact(tokenizer, p.prompt)
         answer = encode_exact(tokenizer, p.solution or "", "solution") + [tokenizer.eos_token_id]
         rows.append(prompt + answer)

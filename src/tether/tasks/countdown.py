@@ -35,10 +35,12 @@ from __future__ import annotations
 
 import functools
 import random
+import zlib
 from collections import Counter
 from collections.abc import Callable, Iterable
 from typing import TypeVar
 
+from tether.defaults import RL_SHARE
 from tether.errors import InputError
 from tether.tasks.base import Problem, Reward
 from tether.tasks.expr import ExprFailure, ExprLimits, evaluate_expr
@@ -192,6 +194,7 @@ class CountdownTask:
         use_all: bool = True,
         train_size: int = 0,
         answer: str = "expr",
+        rl_share: float = RL_SHARE,
     ) -> None:
         """Check the knobs, then build the held-out set (so impossible ranges fail here).
 
@@ -211,6 +214,12 @@ class CountdownTask:
                 it, many targets are one given number or two, and RL learns "answer short".
             answer: "expr" (one expression) or "steps" (a chain like "9-3=6,7*6=42", whose
                 responses are several times longer).
+            rl_share: the share of problems kept for RL: `train_problem` draws only from
+                them and the warm start (`warmstart_problem`) only from the rest, split by
+                a hash of (numbers, target). The problem space is small (4 numbers in 1..9
+                give a few tens of thousands), so a warm start of 100k solutions would
+                otherwise have memorised every RL problem, leaving RL no signal. 0: one
+                stream for both (as before the option existed).
         """
         if not isinstance(num_numbers, int) or not 2 <= num_numbers <= MAX_NUMBERS:
             raise InputError(
@@ -268,6 +277,9 @@ class CountdownTask:
         self.answer = answer
         if train_size < 0:
             raise InputError(f"train_size must be >= 0 (0: endless stream), got {train_size}")
+        if not 0.0 <= rl_share < 1.0:
+            raise InputError(f"rl_share must be in [0, 1), got {rl_share}")
+        self.rl_share = rl_share
         self.train_size = train_size
         # No + - * value exceeds (num_max + 1)^n; squaring it leaves room for answers
         # through "/", whose numerators and denominators multiply.
@@ -320,19 +332,33 @@ class CountdownTask:
         return problems
 
     def train_problem(self, index: int) -> Problem:
-        """The index-th training problem: drawn from a stream seeded by (seed, index) only."""
+        """The index-th RL training problem: drawn from a stream seeded by (seed, index) only,
+        from the RL share of problems (`rl_share`), never a held-out one."""
         if index < 0:
             raise ValueError(f"index must be >= 0, got {index}")
         if self.train_size:
             index %= self.train_size
-        rng = random.Random(f"countdown/{self.seed}/train/{index}")
+        return self._draw_outside_eval(f"countdown/{self.seed}/train/{index}",
+                                       f"countdown-train-{index}", rl=True)
+
+    def warmstart_problem(self, index: int) -> Problem:
+        """The index-th problem of the warm start's solutions: the share RL never draws."""
+        if index < 0:
+            raise ValueError(f"index must be >= 0, got {index}")
+        return self._draw_outside_eval(f"countdown/{self.seed}/warmstart/{index}",
+                                       f"countdown-warmstart-{index}", rl=False)
+
+    def _draw_outside_eval(self, stream: str, problem_id: str, rl: bool) -> Problem:
+        rng = random.Random(stream)
         for _ in range(MAX_DRAWS):
-            problem = self._draw(rng, f"countdown-train-{index}")
-            if _key(problem) not in self._eval_keys:
+            problem = self._draw(rng, problem_id)
+            key = _key(problem)
+            if key not in self._eval_keys and (not self.rl_share or _is_rl(key, self.rl_share) == rl):
                 return problem
         raise InputError(
-            f"training draws keep landing in the held-out set ({len(self._eval_keys)} problems); "
-            f"lower eval_size or widen the number/target ranges"
+            f"draws keep landing in the held-out set ({len(self._eval_keys)} problems) or outside "
+            f"their share of problems (rl_share={self.rl_share}); lower eval_size or widen the "
+            f"number/target ranges"
         )
 
     def eval_problems(self) -> list[Problem]:
@@ -364,6 +390,11 @@ def _solutions(numbers: tuple[int, ...], use_all: bool, answer: str, target_min:
     """Target in [target_min, target_max] -> reference solution, for the sorted `numbers`."""
     find = reachable_steps if answer == "steps" else reachable
     return {v: s for v, s in find(numbers, use_all).items() if target_min <= v <= target_max}
+
+
+def _is_rl(key: tuple[tuple[int, ...], int], share: float) -> bool:
+    """Whether a problem belongs to the RL share: a stable hash of its key, not Python's."""
+    return zlib.crc32(repr(key).encode()) < share * 2**32
 
 
 def _key(problem: Problem) -> tuple[tuple[int, ...], int]:
