@@ -84,8 +84,8 @@ def test_steps_answer_warm_starts_and_trains(tmp_path, warm_model_dir):
     _, labels = sft_batch(task, tok, 0, 2)
     for i in range(2):
         target = tok.decode([t for t in labels[i].tolist() if t != -100])
-        assert target == task.train_problem(i).solution + "<eos>"
-        assert task.reward(task.train_problem(i), task.train_problem(i).solution).total == 1.0
+        assert target == task.warmstart_problem(i).solution + "<eos>"
+        assert task.reward(task.warmstart_problem(i), task.warmstart_problem(i).solution).total == 1.0
     # 3 warm-start steps into a fresh cache, then one RL step on the steps format.
     cfg = load_config("configs/countdown_steps.yaml", [
         f"model.cache_dir={tmp_path / 'models'}", "model.warmstart_steps=3",

@@ -179,7 +179,7 @@ def stale_batch(warm_model_dir):
     model, tokenizer = load_model(warm_model_dir)
     task = build_task("countdown")
     torch.manual_seed(0)
-    trainer = Trainer(model, TrainConfig(lr=3e-3), SAMPLING)
+    trainer = Trainer(model, TrainConfig(lr=1e-3), SAMPLING)
     gens = [HFGenerator(model, tokenizer.eos_token_id, tokenizer.pad_token_id, "fp32")
             for _ in range(3)]
     # Built at version 0: each keeps version 0 for its generator. Policy set per test.

@@ -265,7 +265,7 @@ def test_rl_problems_are_none_the_warm_start_solved():
     """rl_share splits the problems: RL draws only its share, the warm start only the rest,
     neither a held-out one; rl_share=0 is the single stream of before."""
     task = CountdownTask(use_all=True, eval_size=50)
-    key = lambda p: (tuple(sorted(p.meta["numbers"])), p.meta["target"])  # noqa: E731
+    key = lambda p: (tuple(sorted(p.meta["numbers"])), p.meta["target"])
     rl = {key(task.train_problem(i)) for i in range(2000)}
     sft = {key(task.warmstart_problem(i)) for i in range(8000)}
     held = {key(p) for p in task.eval_problems()}

@@ -216,10 +216,10 @@ class CountdownTask:
                 responses are several times longer).
             rl_share: the share of problems kept for RL: `train_problem` draws only from
                 them and the warm start (`warmstart_problem`) only from the rest, split by
-                a hash of (numbers, target). The problem space is small (4 numbers in 1..9
-                give a few tens of thousands), so a warm start of 100k solutions would
-                otherwise have memorised every RL problem, leaving RL no signal. 0: one
-                stream for both (as before the option existed).
+                a hash of (numbers, target). The problem space is small (3 numbers in 1..9,
+                targets 1..100, every number used: about 1,900 problems), so a warm start of
+                100k solutions would otherwise have memorised every RL problem, leaving RL
+                no signal. 0: one stream for both (as before the option existed).
         """
         if not isinstance(num_numbers, int) or not 2 <= num_numbers <= MAX_NUMBERS:
             raise InputError(
