@@ -34,7 +34,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import statistics
 import subprocess
 import sys
@@ -341,12 +340,18 @@ def vocab_step(vocab: int, device: torch.device) -> dict:
     t0 = time.perf_counter()
     train_step(trainer, batch, rollouts, None, None, True)
     seconds = time.perf_counter() - t0
-    peak = (torch.cuda.max_memory_allocated(device) if device.type == "cuda"
-            else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
+    peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else rss_high_water()
     largest = max(p.numel() for p in model.parameters())
     return {"vocab": vocab, "params": sum(p.numel() for p in model.parameters()),
             "largest_param": largest, "before_mib": before / MiB, "peak_mib": peak / MiB,
             "step_mib": (peak - before) / MiB, "seconds": seconds}
+
+
+def rss_high_water() -> int:
+    """This process's peak resident set in bytes: VmHWM, which (unlike ru_maxrss) starts
+    afresh at exec, so a child does not inherit its parent's peak."""
+    line = next(x for x in Path("/proc/self/status").read_text().splitlines() if x.startswith("VmHWM"))
+    return int(line.split()[1]) * 1024
 
 
 def predicted_step_mib(params: int, largest: int, working_mib: float) -> float:
