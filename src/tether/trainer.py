@@ -26,7 +26,7 @@ from tether.distributed import Shard, TrainerRanks
 from tether.estimators import LossOutput, TokenBatch, build_estimator
 from tether.guards import StepGuard, first_nonfinite
 from tether.models.routing import pad_routes, route
-from tether.rollout.hf import process_logits
+from tether.rollout.hf import distinct_prompts, process_logits
 from tether.rollout.types import Rollout, SamplingParams
 
 LOGP_FLOOR = -1e4  # a token outside the trainer's top-k/top-p set has logp -inf; keep it finite
@@ -113,7 +113,7 @@ def collate(rollouts: list[Rollout], pad_id: int, device: torch.device | str = "
         topk_logp_rollout=topk_lp,
         routed_experts=routed,
     )
-    return batch if torch.device(device).type == "cpu" else batch.to(device)
+    return batch.to(device)
 
 
 def autocast(device: torch.device, precision: str) -> AbstractContextManager:
@@ -182,24 +182,23 @@ def decode_shared_prompts(
     """
     B, L = input_ids.shape
     P = prompt_len
-    key = torch.cat([input_ids[:, :P], attention_mask[:, :P]], dim=1)
-    distinct, inverse = torch.unique(key, dim=0, return_inverse=True)
+    ids, mask, inverse = distinct_prompts(input_ids[:, :P], attention_mask[:, :P])
     lengths = attention_mask[:, P:].sum(dim=1)
-    if distinct.shape[0] == B and bool((lengths == L - P).all()):
+    if ids.shape[0] == B and bool((lengths == L - P).all()):
         return None
     decoder = model.get_decoder()
     cache = DynamicCache()
-    prompts = decoder(input_ids=distinct[:, :P], attention_mask=distinct[:, P:],
-                      position_ids=(distinct[:, P:].cumsum(-1) - 1).clamp(min=0),
+    prompts = decoder(input_ids=ids, attention_mask=mask,
+                      position_ids=(mask.cumsum(-1) - 1).clamp(min=0),
                       past_key_values=cache, use_cache=True).last_hidden_state  # (U, P, H)
     kv = [(layer.keys, layer.values) for layer in cache.layers]  # (U, heads, P, d) each
     order = lengths.argsort(stable=True)
     parts = []
     for rows in order.split(BUCKET_ROWS):
         t = int(lengths[rows].max())
-        bucket = DynamicCache()
+        bucket, prompt_of = DynamicCache(), inverse[rows]
         for i, (k, v) in enumerate(kv):
-            bucket.update(k[inverse[rows]], v[inverse[rows]], i)
+            bucket.update(k[prompt_of], v[prompt_of], i)
         h = decoder(input_ids=input_ids[rows, P:P + t], attention_mask=attention_mask[rows, :P + t],
                     position_ids=position_ids[rows, P:P + t], past_key_values=bucket,
                     use_cache=True).last_hidden_state  # (rows, t, H)

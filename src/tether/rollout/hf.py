@@ -156,15 +156,25 @@ class HFGenerator:
         return rollouts
 
 
+def distinct_prompts(input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The distinct rows of left-padded prompts (U, P): their ids, their attention mask, and
+    each row's index among them (B,). Rows match on ids and mask both, so a prompt holding
+    the pad token is not taken for a padded one."""
+    P = input_ids.shape[1]
+    distinct, inverse = torch.unique(torch.cat([input_ids, attention_mask], dim=1), dim=0,
+                                     return_inverse=True)
+    return distinct[:, :P], distinct[:, P:], inverse
+
+
 def _shared_prefill(model: PreTrainedModel, input_ids: torch.Tensor, attn: torch.Tensor,
-                    position_ids: torch.Tensor, cache: DynamicCache) -> torch.Tensor:
+                    cache: DynamicCache) -> torch.Tensor:
     """The prefill's last logits (B, V), each distinct prompt row forwarded once; `cache`
     then holds every row's keys and values."""
-    distinct, inverse = torch.unique(input_ids, dim=0, return_inverse=True)
-    first = torch.empty(distinct.shape[0], dtype=torch.long, device=input_ids.device)
-    first.scatter_(0, inverse, torch.arange(input_ids.shape[0], device=input_ids.device))
-    logits = model(input_ids=distinct, attention_mask=attn[first], position_ids=position_ids[first],
-                   past_key_values=cache, use_cache=True, logits_to_keep=1).logits[:, -1, :]
+    ids, mask, inverse = distinct_prompts(input_ids, attn)
+    logits = model(input_ids=ids, attention_mask=mask,
+                   position_ids=(mask.cumsum(-1) - 1).clamp(min=0), past_key_values=cache,
+                   use_cache=True, logits_to_keep=1).logits[:, -1, :]
     cache.reorder_cache(inverse)
     return logits[inverse]
 
@@ -220,7 +230,7 @@ def sample_tokens(
             step_ids = torch.cat([input_ids[rows], tokens[rows, :step]], dim=1)
         position_ids = (attn.cumsum(-1) - 1).clamp(min=0)[:, -step_ids.shape[1]:]
         if step == 0 and compact:
-            logits = _shared_prefill(model, input_ids, attn, position_ids, cache)
+            logits = _shared_prefill(model, input_ids, attn, cache)
         else:
             logits = model(
                 input_ids=step_ids, attention_mask=attn, position_ids=position_ids,
