@@ -150,10 +150,13 @@ def _cmd_probe(args: argparse.Namespace) -> int:
 
 EXPERIMENT_HELP = """\
 Run one of the papers' experiments on the embedded testbed (DESIGN.md section 7):
-  dlc    generator {exact, bf16, fp8, lag 8, fp8 + lag 8} x {naive, tis, mis, dlc without
-         re-sync, dlc} x 3 seeds, dense model
-  cis    MoE model, generator {bf16, bf16 + router noise 0.1} x {none, tis, mis/icepop, cis}
-         x 3 seeds (+ fp32 reference)
+  dlc    dense model, lr 2e-4: generator {exact, bf16, fp8, lag 32, fp8 + lag 32, fp8 in the
+         async loop (eta 32)} x {naive, reweight, tis, tis + ESS re-sync, dlc without
+         re-sync, dlc, dlc under a PPO clip} x 3 seeds (identical cells skipped; the
+         reference exact x naive: 5 seeds)
+  cis    MoE model: generator {inj (bf16 + router noise + INJECTED heavy-tailed logit noise,
+         sized to CIS's Appendix A), inj + outliers} x {tis, cis}; CIS's recipe (inj, 2
+         versions stale) x {decoupled, decoupled_cis}; 3 seeds; fp32 reference x 5 seeds
   vespo  staleness N in {1, 8, 64} (a rollout batch of N optimizer mini-batches of 4 x 8;
          128 optimizer steps for every N) x {grpo, gspo, sapo, vespo, vespo /T,
          vespo /sqrtT} x 3 seeds, Countdown answers written as steps, dense model
@@ -260,7 +263,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("name", choices=["dlc", "cis", "vespo"], help="Which experiment.")
     p.add_argument("--quick", action="store_true",
                    help="A reduced matrix (1 seed, 2 settings x 2 methods, a few small steps, "
-                   "a lightly warm-started model; vespo: the full run's, cached): a smoke test in about a "
+                   "a lightly warm-started model): a smoke test in about a "
                    "minute.")
     p.add_argument("--out", metavar="DIR",
                    help="Experiment directory (default runs/experiments/NAME[-quick]); rerun "
