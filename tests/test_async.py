@@ -226,3 +226,29 @@ def test_audit_refuses_an_attempt_issued_before_the_previous_was_dropped(tmp_pat
     a = audit(tmp_path / "ledger.jsonl")
     assert a.problems == ["prompt 7 attempt 1 issued before attempt 0 was dropped"]
     assert a.open == [(7, 1)] and a.awaiting_reissue == [(8, 0)]
+
+
+STOP_WITH_UNREAD_WEIGHTS = """
+import sys
+from tether.config import load_config
+from tether.rollout.backend import LocalBackend
+
+if __name__ == "__main__":
+    cfg = load_config("configs/countdown.yaml", [f"model.path={sys.argv[1]}", "loop.mode=async",
+                                                 "loop.workers=1", "run.threads=1"])
+    backend = LocalBackend(cfg, sys.argv[1])
+    # A version the idle worker never reads, larger than a pipe holds: the feeder thread blocks.
+    backend.publisher.queues[0].put(b"x" * (1 << 20))
+    backend.stop()
+"""
+
+
+def test_trainer_process_exits_after_stop_with_unread_weights(warm_model_dir, tmp_path):
+    # Seen in an experiment: an async cell wrote done.json, then hung at exit waiting for a
+    # queue's feeder thread to write versions its stopped worker would never read.
+    script = tmp_path / "stop.py"
+    script.write_text(STOP_WITH_UNREAD_WEIGHTS)
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    done = subprocess.run([sys.executable, str(script), str(warm_model_dir)], env=env,
+                          capture_output=True, text=True, timeout=90, check=False)
+    assert done.returncode == 0, done.stderr[-2000:]

@@ -133,7 +133,11 @@ def _run_parallel(jobs: list[tuple[list[str], str]], workers: int):
                             f"cell process exited with code {proc.exitcode} without a result")
                 continue
             if run_dir in running:
-                running.pop(run_dir)[0].join()
+                proc = running.pop(run_dir)[0]
+                proc.join(timeout=60)  # its result is in: a process that hangs at exit
+                if proc.is_alive():  # must not hold the matrix (seen with an async cell)
+                    proc.terminate()
+                    proc.join()
                 yield run_dir, seconds, error
     finally:  # stopped early (an error, Ctrl-C): no cell outlives the command
         for proc, _ in running.values():

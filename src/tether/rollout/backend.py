@@ -122,3 +122,7 @@ class LocalBackend:
             if w.is_alive():
                 w.terminate()
                 w.join()
+        # Versions a worker never read can fill its pipe; at exit a queue's feeder thread
+        # would then wait forever to write them (seen: an async cell that hung after done).
+        for q in [self.tasks, *self.publisher.queues]:
+            q.cancel_join_thread()
