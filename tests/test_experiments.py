@@ -73,6 +73,12 @@ def test_quick_experiment_tables_resume_and_report(name, tmp_path, warm_model_di
     assert re.search(r"final trainer-side eval/accuracy(_sampled)? \d", md)
     assert "final generator-side batch reward" in md
 
+    # A cell stopped mid-run (no done.json) is left out of the tables, and named.
+    last = exp.cells[-1]
+    (out / "cells" / last.name / "done.json").unlink()
+    summary = analysis.summarize(out)
+    assert summary["unfinished"] == [last.name] and last.name not in summary["cells"]
+
 
 def test_cell_stats_by_hand():
     # Reward rises to 0.5 then falls to 0.1: the 5-step running mean peaks at step 5 (0.42)

@@ -343,6 +343,8 @@ def build_report(out: str | Path, command: str | None = None) -> tuple[Path, Pat
                 f"(σ {analysis.fmt(summary['reference_reward_sigma'])}).")
     run_line = "; ".join(f"{t['cells_run']} cells in {t['wall_seconds']:.0f} s on {t['workers']} "
                          f"worker(s)" for t in timing)
+    if summary.get("unfinished"):  # started, not done: left out of every table
+        run_line += f"; {len(summary['unfinished'])} unfinished cell(s) left out"
     # Markdown.
     md = [f"# Experiment {meta['name']}", "", f"**Question.** {meta['question']}", ""]
     if command:

@@ -250,14 +250,16 @@ def summarize(out: Path, probe_tokens: int = 16) -> dict:
     out = Path(out)
     meta = load_meta(out)
     ref = tuple(meta["reference"])
-    cells = {}
+    cells, unfinished = {}, []
     for c in meta["cells"]:
         rows = cell_rows(out, c["name"])
-        if rows:
-            done = out / "cells" / c["name"] / "done.json"
-            seconds = json.loads(done.read_text())["seconds"] if done.is_file() else float("nan")
-            cells[c["name"]] = {"scenario": c["scenario"], "method": c["method"],
-                                "seed": c["seed"], **cell_stats(rows), "wall_seconds": seconds}
+        done = out / "cells" / c["name"] / "done.json"
+        if not done.is_file():  # a stopped cell's last row is mid-run, not its final value
+            if rows:
+                unfinished.append(c["name"])
+            continue
+        cells[c["name"]] = {"scenario": c["scenario"], "method": c["method"], "seed": c["seed"],
+                            **cell_stats(rows), "wall_seconds": json.loads(done.read_text())["seconds"]}
     # Probe distances to the reference's final models.
     probe = make_probe(out, meta["model_path"], probe_tokens)
     mask = probe["response_mask"]
@@ -305,7 +307,7 @@ def summarize(out: Path, probe_tokens: int = 16) -> dict:
                "reference_trainer_sigma": sig_t,
                "trainer_metric": ref_cells[0]["trainer_metric"] if ref_cells else None,
                "reference_probe_kl_spread": ref_spread,
-               "cells": cells, "groups": groups}
+               "cells": cells, "groups": groups, "unfinished": unfinished}
     (out / "summary.json").write_text(json.dumps(summary, indent=1, default=_json))
     write_csv(out / "cells.csv", [{"cell": n, **c} for n, c in cells.items()])
     write_csv(out / "summary.csv", groups)
