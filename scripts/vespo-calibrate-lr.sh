@@ -11,7 +11,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 TASK="model.warmstart_steps=900 task.answer=steps task.num_numbers=5 task.use_all=true
-  task.format_weight=0.1 rollout.max_new_tokens=48 sync.policy=every:1 rollout.group_size=8"
+  task.format_weight=0 rollout.max_new_tokens=48 sync.policy=every:1 rollout.group_size=8"
 for lr in "$@"; do
   d=runs/vespo_calib/lr$lr
   rm -rf "$d"; mkdir -p runs/vespo_calib

@@ -56,8 +56,9 @@ QUESTION = ("With a fixed optimizer mini-batch and N of them per rollout batch (
 # Calibrated to a per-version token k3 of about 1e-3 (issue 13): `staleness/k3_kl/mean` at
 # N = 2 averages mini-batch 0 (k3 = 0) and mini-batch 1 (one version stale), so per version
 # it is 2 x the logged value. `bash scripts/vespo-calibrate-lr.sh 1e-4 5e-5` (this task's
-# 900-step warm start, vespo, 8 rollout batches of 8 x 8 at N = 2): lr 1e-4 -> median 7.5e-4
-# (2.8e-4 to 3.3e-3); lr 5e-5 -> 2.2e-4. The paper's 1e-6 is for 7B models.
+# 900-step warm start, correctness-only reward, vespo, 8 rollout batches of 8 x 8 at N = 2):
+# lr 1e-4 -> median 7.9e-4 (0 to 1.1e-3: a batch with no correct response does not move);
+# lr 5e-5 -> 9.3e-5. (At format_weight 0.1: 7.5e-4 and 2.2e-4.) The paper's 1e-6 is for 7B.
 LR = 1e-4
 
 GROUP = 8  # samples per prompt (the paper's 8)
