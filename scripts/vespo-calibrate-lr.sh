@@ -10,8 +10,9 @@
 # mini-batch 0 (k3 = 0) and mini-batch 1 (one version stale): per version it is twice that.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-TASK="model.warmstart_steps=900 task.answer=steps task.num_numbers=5 task.use_all=true
-  task.format_weight=0 rollout.max_new_tokens=48 sync.policy=every:1 rollout.group_size=8"
+# The experiment's own task keys (experiments/vespo.py TASK and GROUP), not a copy of them.
+TASK=$(.venv/bin/python -c "from tether.experiments import vespo
+print(' '.join(vespo.TASK + [f'rollout.group_size={vespo.GROUP}']))")
 for lr in "$@"; do
   d=runs/vespo_calib/lr$lr
   rm -rf "$d"; mkdir -p runs/vespo_calib
