@@ -13,17 +13,18 @@ problems: training draws only Countdown's RL share (task.rl_share), and the warm
 the rest. Three configurations cover the paths
 the step takes: an fp8 generator lagging one version with two optimizer steps per batch
 (kept snapshots, lagged deliveries), dlc with an ESS trip that regenerates the batch
-(centering over the top-K, re-syncs), and an ESS trip measured on the training forward. Float results depend on the CPU's vector kernels:
-on a machine of another capability the metrics are compared to 1e-4 and the weights'
-hash is not compared. Re-record (only for an intended change of trajectory) with
-TETHER_WRITE_PIN=1.
+(centering over the top-K, re-syncs), and an ESS trip measured on the training forward.
+Float results depend on the CPU's vector kernels, and through the samples so does the whole
+trajectory (on AVX2 the first held-out samples already differ from AVX-512's), so the runs
+are pinned per CPU capability (AVX512 and AVX2, recorded from the same code); on a machine
+of another capability only the steps and the metric names are compared. Re-record (only
+for an intended change of trajectory, on each capability) with TETHER_WRITE_PIN=1.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-import math
 import os
 from pathlib import Path
 
@@ -72,17 +73,14 @@ def test_sync_run_is_pinned(name, warm_model_dir, tmp_path):
     capability = torch.backends.cpu.get_cpu_capability()
     if os.environ.get("TETHER_WRITE_PIN"):
         pins = json.loads(PIN.read_text()) if PIN.is_file() else {}
-        pins[name] = {"cpu_capability": capability, **got}
+        pins.setdefault(name, {})[capability] = got
         PIN.write_text(json.dumps(pins, indent=1, sort_keys=True) + "\n")
         pytest.skip("pin written")
-    want = json.loads(PIN.read_text())[name]
+    pinned = json.loads(PIN.read_text())[name]
+    want = pinned.get(capability) or next(iter(pinned.values()))
     assert [r["step"] for r in got["rows"]] == [r["step"] for r in want["rows"]]
-    if capability == want["cpu_capability"]:
+    assert [r.keys() for r in got["rows"]] == [r.keys() for r in want["rows"]]
+    if capability in pinned:
         for a, b in zip(got["rows"], want["rows"]):
             assert a == b, f"step {a['step']}: {sorted(k for k in a if a.get(k) != b.get(k))}"
         assert got["weights_sha256"] == want["weights_sha256"]
-    else:
-        for a, b in zip(got["rows"], want["rows"]):
-            assert a.keys() == b.keys()
-            for k in a:
-                assert math.isclose(a[k], b[k], rel_tol=1e-4, abs_tol=1e-6), (a["step"], k)
