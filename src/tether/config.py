@@ -411,6 +411,11 @@ class EvalConfig(_Node):
         4, ge=0, description="Also held-out accuracy sampled like the rollouts: samples per "
         "problem (0: greedy only).",
     )
+    seed: int | None = Field(
+        None, description="Seed of the sampled evaluation's draws. Empty: run.seed + 7919, each "
+        "run its own draws. Set, runs of different seeds share them (common random numbers): "
+        "equal weights score equally, so the spread across seeds is the policies', not the draws'.",
+    )
 
 
 class RunConfig(_Node):

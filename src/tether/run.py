@@ -82,7 +82,8 @@ class Run:
             sampled = heldout_scores(
                 self.model, self.tokenizer, self.task,
                 replace(self.sampling, n=cfg.eval.samples, logprobs_topk=0),
-                seed=cfg.run.seed + 7919, batch_size=cfg.eval.batch_size, reward_fn=self.reward_fn)
+                seed=cfg.run.seed + 7919 if cfg.eval.seed is None else cfg.eval.seed,
+                batch_size=cfg.eval.batch_size, reward_fn=self.reward_fn)
             out |= {"eval/accuracy_sampled": sampled.accuracy, "eval/reward_sampled": sampled.reward}
         return out
 
