@@ -2,22 +2,23 @@
 # The per-version token k3 of E-VESPO's testbed at each learning rate given (issue 13 asks
 # for about 1e-3; experiments/vespo.py LR records the result).
 #
-#   bash scripts/vespo-calibrate-lr.sh 1e-4 5e-5      (about 25 s per rate; runs/vespo_calib/)
+#   bash scripts/vespo-calibrate-lr.sh 1e-4 5e-5      (about 40 s per rate; runs/vespo_calib/)
 #
-# Each rate trains vespo for 8 rollout batches of 8 prompts x 8 at N = 2 (two optimizer
-# mini-batches per batch) on the experiment's task keys and its cached 900-step warm start
-# (built on first use, about 21 minutes). The logged `staleness/k3_kl/mean` averages
-# mini-batch 0 (k3 = 0) and mini-batch 1 (one version stale): per version it is twice that.
+# Each rate trains vespo for 8 rollout batches of two of the experiment's optimizer
+# mini-batches (N = 2) on its task keys and its cached warm start (built on first use,
+# about 20 minutes). The logged `staleness/k3_kl/mean` averages mini-batch 0 (k3 = 0) and
+# mini-batch 1 (one version stale): per version it is twice that.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-# The experiment's own task keys (experiments/vespo.py TASK and GROUP), not a copy of them.
+# The experiment's own task keys and mini-batch (experiments/vespo.py), not a copy of them.
 TASK=$(.venv/bin/python -c "from tether.experiments import vespo
-print(' '.join(vespo.TASK + [f'rollout.group_size={vespo.GROUP}']))")
+print(' '.join(vespo.TASK + [f'rollout.group_size={vespo.GROUP}',
+                             f'rollout.prompts_per_step={2 * vespo.MINIBATCH_PROMPTS}']))")
 for lr in "$@"; do
   d=runs/vespo_calib/lr$lr
   rm -rf "$d"; mkdir -p runs/vespo_calib
   # shellcheck disable=SC2086
-  .venv/bin/tether train $TASK train.lr="$lr" train.estimator=vespo rollout.prompts_per_step=8 \
+  .venv/bin/tether train $TASK train.lr="$lr" train.estimator=vespo \
     train.minibatches=2 train.steps=8 eval.every=0 eval.samples=0 diagnostics.monitor_every=0 \
     run.threads=1 run.checkpoint_every=0 run.dir="$d" > "$d.log" 2>&1 || { tail "$d.log"; exit 1; }
   .venv/bin/python - "$d" "$lr" <<'PY'

@@ -150,12 +150,15 @@ def test_full_matrices_are_the_documented_ones():
     assert len(dlc.groups()) == 24 and len(dlc.cells) == 74  # duplicates skipped, 3 seeds (ref 5)
     assert sum(c.scenario == "exact" and c.method == "naive" for c in dlc.cells) == 5
     vespo = get("vespo").build()
-    assert len(vespo.groups()) == 3 * 6 and len(vespo.cells) == 54  # N {1, 8, 64} x 6, 3 seeds
-    keys = {c.scenario: c.overrides[:5] for c in vespo.cells if c.method == "vespo_T"}
-    # Mini-batch 4 prompts x 8; 128 optimizer steps = 128 / N batches; eval every 64 of them.
-    assert keys["N1"] == ("rollout.prompts_per_step=4", "train.minibatches=1", "train.steps=128",
+    # N = 1: grpo (the reference, 5 seeds) and sapo, the two distinct on-policy gradients;
+    # N = 64: all six objectives, 3 seeds.
+    assert vespo.groups()[:3] == [("N1", "grpo"), ("N1", "sapo"), ("N64", "grpo")]
+    assert len(vespo.groups()) == 2 + 6 and len(vespo.cells) == 5 + 3 + 6 * 3
+    keys = {c.scenario: c.overrides[:5] for c in vespo.cells if c.method == "grpo"}
+    # Mini-batch 16 prompts x 8; 128 optimizer steps = 128 / N batches; eval every 64 of them.
+    assert keys["N1"] == ("rollout.prompts_per_step=16", "train.minibatches=1", "train.steps=128",
                           "eval.every=64", "run.checkpoint_every=64")
-    assert keys["N64"] == ("rollout.prompts_per_step=256", "train.minibatches=64",
+    assert keys["N64"] == ("rollout.prompts_per_step=1024", "train.minibatches=64",
                            "train.steps=2", "eval.every=1", "run.checkpoint_every=1")
     assert "rollout.group_size=8" in vespo.base and "task.answer=steps" in vespo.base
     cis = get("cis").build()
@@ -166,6 +169,26 @@ def test_full_matrices_are_the_documented_ones():
     lagged = [c for c in cis.cells if c.scenario == "inj_lag2"]
     assert all("sync.lag=2" in c.overrides and "rollout.logit_noise=0.12" in c.overrides
                for c in lagged)
+
+
+def test_vespo_retention_reads_each_method_against_its_n1_twin():
+    def cell(n: str, method: str, seed: int, final: float) -> tuple[str, dict]:
+        return f"{n}__{method}__s{seed}", {"scenario": n, "method": method, "final_trainer": final}
+
+    finals = {("N1", "grpo"): [0.20, 0.22], ("N1", "sapo"): [0.10, 0.10],
+              ("N64", "vespo"): [0.17, 0.15, 0.21], ("N64", "gspo"): [0.09, 0.07, 0.01]}
+    cells = dict(cell(n, m, s, f) for (n, m), fs in finals.items() for s, f in enumerate(fs))
+    groups = [{"scenario": n, "method": m, "final_trainer": sum(fs) / len(fs)}
+              for (n, m), fs in finals.items()]
+    summary = {"cells": cells, "groups": groups}
+    get("vespo").extend(None, summary)
+    by = {(g["scenario"], g["method"]): g for g in summary["groups"]}
+    # vespo's twin is N1 grpo (mean 0.21; 0.8x = 0.168): 0.17 and 0.21 keep it, 0.15 does not.
+    assert by["N64", "vespo"]["n1_twin"] == "N1 grpo" and by["N64", "vespo"]["kept_80"] == 2
+    assert by["N64", "vespo"]["vs_n1"] == pytest.approx(0.53 / 3 / 0.21)
+    # gspo's is N1 sapo (0.10): 0.09 keeps it, 0.07 and 0.01 do not.
+    assert by["N64", "gspo"]["n1_twin"] == "N1 sapo" and by["N64", "gspo"]["kept_80"] == 1
+    assert by["N1", "grpo"]["vs_n1"] == pytest.approx(1.0)
 
 
 def test_an_out_dir_is_not_reused_under_other_settings(tmp_path, capsys):

@@ -157,9 +157,10 @@ Run one of the papers' experiments on the embedded testbed (DESIGN.md section 7)
   cis    MoE model: generator {inj (bf16 + router noise + INJECTED heavy-tailed logit noise,
          sized to CIS's Appendix A), inj + outliers} x {tis, cis}; CIS's recipe (inj, 2
          versions stale) x {decoupled, decoupled_cis}; 3 seeds; fp32 reference x 5 seeds
-  vespo  staleness N in {1, 8, 64} (a rollout batch of N optimizer mini-batches of 4 x 8;
-         128 optimizer steps for every N) x {grpo, gspo, sapo, vespo, vespo /T,
-         vespo /sqrtT} x 3 seeds, Countdown answers written as steps, dense model
+  vespo  staleness N = 64 (a rollout batch of 64 optimizer mini-batches of 16 x 8; 128
+         optimizer steps) x {grpo, gspo, sapo, vespo, vespo /T, vespo /sqrtT} x 3 seeds,
+         against N = 1 (grpo x 5 seeds, sapo x 3: on-policy the six are two gradients);
+         Countdown answers written as steps (4 numbers), dense model
 Each cell is one training run in OUT/cells/<scenario>__<method>__s<seed>, run in parallel
 worker processes (one torch thread each). Rerunning the same command skips finished cells
 and resumes interrupted ones. Writes OUT/summary.csv (one row per scenario x method),

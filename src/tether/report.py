@@ -157,15 +157,19 @@ def bars_figure(groups: list[dict], keys: list[tuple[str, str]], xlabel: str, ti
     return path
 
 
-def vespo_figure(groups: list[dict], path: Path, metric: str) -> Path | None:
-    """Final trainer-side value (`metric`) against N per method; groups with a seed whose
-    trainer-side value collapsed marked with a red x."""
+def vespo_figure(groups: list[dict], path: Path, metric: str, twins: dict[str, str]) -> Path | None:
+    """Final trainer-side value (`metric`) against N per method, starting from its N = 1 twin
+    (`twins`: the method whose on-policy run has its gradient) where it has no N = 1 run of
+    its own; groups with a seed whose trainer-side value collapsed marked with a red x."""
     plt = _plt()
     fig, ax = plt.subplots(figsize=(6.5, 4))
     methods = list(dict.fromkeys(g["method"] for g in groups))
     colors = method_colors("vespo", methods)
     for meth in methods:
-        gs = sorted((g for g in groups if g["method"] == meth), key=lambda g: int(g["scenario"][1:]))
+        own = [g for g in groups if g["method"] == meth]
+        if not any(g["scenario"] == "N1" for g in own):
+            own += [g for g in groups if g["scenario"] == "N1" and g["method"] == twins.get(meth)]
+        gs = sorted(own, key=lambda g: int(g["scenario"][1:]))
         n = [int(g["scenario"][1:]) for g in gs]
         r = [g["final_trainer"] for g in gs]
         sd = [g["final_trainer_std"] if math.isfinite(g["final_trainer_std"]) else 0 for g in gs]
@@ -261,7 +265,8 @@ def make_figures(out: Path, meta: dict, summary: dict, figdir: Path) -> list[tup
             add(bias_figure(summary["truncation_bias"], figdir / "truncation_bias.png"), q)
     if name == "vespo":
         q = "Which objective keeps the trained policy's reward as N grows?"
-        add(vespo_figure(groups, figdir / "reward_vs_N.png", summary["trainer_metric"] or "headline"), q)
+        add(vespo_figure(groups, figdir / "reward_vs_N.png", summary["trainer_metric"] or "headline",
+                         get("vespo").N1_TWIN), q)
     return figs
 
 
@@ -325,10 +330,8 @@ def build_report(out: str | Path, command: str | None = None) -> tuple[Path, Pat
         raise InputError(f"{out} is not an experiment directory (no experiment.json); "
                          "run `tether experiment NAME --out DIR` first")
     meta = analysis.load_meta(out)
-    summary = analysis.summarize(out)
     module = get(meta["name"])
-    if meta["name"] == "cis":
-        summary["truncation_bias"] = module.truncation_bias(out)
+    summary = analysis.summarize(out, extend=getattr(module, "extend", None))
     figdir = out / "report"
     figdir.mkdir(exist_ok=True)
     figs = make_figures(out, meta, summary, figdir)

@@ -130,6 +130,28 @@ def _check_empty_row_ignored(preset: str, tensors: dict, extra: dict, agg: str) 
     assert out2.metrics == pytest.approx(out.metrics)
 
 
+@FEW
+@given(params=batches)
+def test_on_policy_the_vespo_objectives_are_two_gradients(params: dict) -> None:
+    # E-VESPO at N = 1 (experiments/vespo.py N1_TWIN): pi_old is the training forward itself,
+    # so r = W = 1 exactly. grpo and vespo with any length_norm (phi(1) = 1) give the
+    # token-mean policy gradient; gspo (s = 1) and sapo (gate weight 1) its per-sequence mean.
+    tensors = _random_batch(**params)
+    tensors["logp_old"] = tensors["logp"].detach().clone()
+
+    def grad(preset: str, **kw) -> torch.Tensor:
+        loss = build_estimator(preset, **kw)(TokenBatch(**tensors)).loss
+        return torch.autograd.grad(loss, tensors["logp"])[0]
+
+    token_mean = grad("grpo")
+    for norm in ("none", "T", "sqrtT"):
+        torch.testing.assert_close(grad("vespo", length_norm=norm), token_mean)
+    torch.testing.assert_close(grad("gspo"), grad("sapo"))
+    torch.testing.assert_close(grad("grpo", agg="seq-mean-token-mean"), grad("sapo"))
+    if params["t"] > 1 and tensors["mask"].sum(-1).unique().numel() > 1:  # lengths differ
+        assert not torch.allclose(grad("sapo"), token_mean)
+
+
 def _valid() -> dict:
     return _random_batch(0, 2, 3, 1.0, 0.1)
 

@@ -51,9 +51,7 @@ def run(name: str, out: str | Path | None = None, quick: bool = False, seeds: in
         exp.cells = [c for c in exp.cells if (c.scenario, c.method) in keep]
     out = Path(out or f"runs/experiments/{name}{'-quick' if quick else ''}")
     timing = run_experiment(exp, out, workers=workers, model_path=model_path, log=log)
-    summary = analysis.summarize(out)
-    if name == "cis":
-        summary["truncation_bias"] = cis.truncation_bias(out)
+    summary = analysis.summarize(out, extend=getattr(module, "extend", None))
     summary["timing"] = timing
     log(f"{name}: {timing['cells_run']} cell(s) run in {timing['wall_seconds']:.0f} s, "
         f"{timing['cells_failed']} failed; tables in {out}/summary.csv; "

@@ -26,6 +26,8 @@ Definitions (also in docs/experiments.md):
   ahead of the weights that sampled the batch (`staleness/versions/mean` in the async
   loop, token-averaged within a step; `staleness/versions/batch` in the synchronous one);
   max staleness: the largest over the run (`staleness/versions/max`, or the batch value).
+- staleness k3: the run's mean over steps of `staleness/k3_kl/mean` (token k3 of the
+  trained policy against the weights that sampled its batch): how far it drifted in a batch.
 - wall seconds: the cell's `done.json` seconds (the whole `train` call, evaluations included).
 """
 
@@ -146,6 +148,7 @@ def cell_stats(rows: list[dict]) -> dict[str, float | int | str | None]:
         "corr_second_moment": _mean(rows, "correction/weight/second_moment"),
         "corr_adv_second_moment": _mean(rows, "correction/weight/adv_second_moment"),
         "numerical_k3": _mean(rows, "numerical/k3_kl/mean"),
+        "staleness_k3": _mean(rows, "staleness/k3_kl/mean"),
         "step_seconds": _mean(rows, "time/step"),
         "mean_staleness": float(stale.mean()) if len(stale) else float("nan"),
         "max_staleness": float(stale_max.max()) if len(stale_max) else float("nan"),
@@ -242,10 +245,12 @@ def _mean_std(values: list[float]) -> tuple[float, float]:
     return float(np.mean(v)), float(np.std(v, ddof=1)) if len(v) > 1 else float("nan")
 
 
-def summarize(out: Path, probe_tokens: int = 16) -> dict:
+def summarize(out: Path, probe_tokens: int = 16, extend=None) -> dict:
     """Per-cell and per-group numbers with deviations from the on-policy reference.
 
-    Writes OUT/cells.csv, OUT/summary.csv and OUT/summary.json; returns the summary.
+    `extend(out, summary)`, an experiment module's own numbers (cis: truncation bias;
+    vespo: retention against N = 1), runs before the files are written. Writes
+    OUT/cells.csv, OUT/summary.csv and OUT/summary.json; returns the summary.
     """
     out = Path(out)
     meta = load_meta(out)
@@ -283,7 +288,7 @@ def summarize(out: Path, probe_tokens: int = 16) -> dict:
         for key in ("final_reward", "final_accuracy", "final_trainer", "final_reward_sampled", "min_ess", "rare_kl_share_max",
                     "resyncs", "is_second_moment", "is_adv_second_moment",
                     "corr_second_moment", "corr_adv_second_moment", "numerical_k3",
-                    "step_seconds", "probe_kl_to_ref", "best_reward_smoothed",
+                    "staleness_k3", "step_seconds", "probe_kl_to_ref", "best_reward_smoothed",
                     "mean_staleness", "max_staleness", "wall_seconds", "best_trainer"):
             g[key], g[key + "_std"] = _mean_std([m[key] for m in members])
         steps = [m["ess_below_0.5_step"] for m in members]
@@ -308,6 +313,8 @@ def summarize(out: Path, probe_tokens: int = 16) -> dict:
                "trainer_metric": ref_cells[0]["trainer_metric"] if ref_cells else None,
                "reference_probe_kl_spread": ref_spread,
                "cells": cells, "groups": groups, "unfinished": unfinished}
+    if extend is not None:
+        extend(out, summary)
     (out / "summary.json").write_text(json.dumps(summary, indent=1, default=_json))
     write_csv(out / "cells.csv", [{"cell": n, **c} for n, c in cells.items()])
     write_csv(out / "summary.csv", groups)

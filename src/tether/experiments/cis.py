@@ -142,6 +142,11 @@ def _ratio(row: dict) -> float:
     return abs(row["cis/bias"]) / tis if tis > 0 else float("nan")
 
 
+def extend(out: Path, summary: dict) -> None:
+    """The summary's E-CIS part: `truncation_bias` (analysis.summarize calls this)."""
+    summary["truncation_bias"] = truncation_bias(out)
+
+
 def truncation_bias(out: Path, seed: int = 4321) -> dict:
     """eps per generator-confidence bin, and per pi_old bin and correction: mean (w - rho), E[w^2].
 
