@@ -36,6 +36,7 @@ from __future__ import annotations
 import csv
 import json
 import math
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -245,7 +246,8 @@ def _mean_std(values: list[float]) -> tuple[float, float]:
     return float(np.mean(v)), float(np.std(v, ddof=1)) if len(v) > 1 else float("nan")
 
 
-def summarize(out: Path, probe_tokens: int = 16, extend=None) -> dict:
+def summarize(out: Path, probe_tokens: int = 16,
+              extend: Callable[[Path, dict], None] | None = None) -> dict:
     """Per-cell and per-group numbers with deviations from the on-policy reference.
 
     `extend(out, summary)`, an experiment module's own numbers (cis: truncation bias;

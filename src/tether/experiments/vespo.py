@@ -50,6 +50,8 @@ Measured with two cells sharing the 2 cores: 1.17 s per optimizer step at N = 1,
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from tether.experiments.runner import Cell, Experiment
 
 QUESTION = ("With a fixed optimizer mini-batch and N of them per rollout batch (more stale "
@@ -136,7 +138,7 @@ def build(quick: bool = False, seeds: int | None = None) -> Experiment:
     return Experiment("vespo", QUESTION, base, cells, ("N1", "grpo"), notes)
 
 
-def extend(out, summary: dict) -> None:
+def extend(out: Path, summary: dict) -> None:
     """Add to each group its N = 1 twin (`n1_twin`), its final trainer-side value over the
     twin's mean (`vs_n1`) and the seeds whose final value keeps >= KEEP of it (`kept_80`)."""
     twins = {g["method"]: g["final_trainer"] for g in summary["groups"] if g["scenario"] == "N1"}
