@@ -7,7 +7,8 @@ The paper's protocol (its scripts: optimizer mini-batch 256, rollout batch 256 x
    `train.minibatches=N`). The i-th mini-batch is trained i versions after it was sampled,
    so a larger N means more stale updates on the same-size mini-batch, not smaller, noisier
    ones. (4 x 8 was tried first: the on-policy reference lost accuracy at every lr tried,
-   its few groups with a correct answer too few for Adam's steps; RESULTS.md.)
+   its few groups with a correct answer too few for Adam's steps; docs/experiments.md,
+   "E-VESPO's testbed".)
 2. The same number of optimizer steps for every N: OPT_STEPS = 128, so `train.steps` (rollout
    batches) = 128 / N: N = 1 trains on 128 batches, N = 64 on 2.
 3. Trainer-side evaluation every EVAL_EVERY = 64 optimizer steps for every N (`eval.every` =
@@ -79,7 +80,7 @@ EVAL_SEED = 7919
 
 # Countdown written as steps, 4 numbers, and its cached warm start, with a correctness-only
 # reward, as the paper's: at format_weight 0.1 the on-policy reference traded correct chains
-# for well-formed misses (RESULTS.md, E-VESPO).
+# for well-formed misses (docs/experiments.md, "E-VESPO's testbed").
 TASK = [f"model.warmstart_steps={WARMSTART_STEPS}", "task.answer=steps", "task.num_numbers=4",
         "task.use_all=true", "task.format_weight=0", "rollout.max_new_tokens=48",
         "sync.policy=every:1"]
