@@ -19,9 +19,8 @@ from tether.experiments import analysis, run_experiment, vespo
 def main(opt_steps: int, groups: set[tuple[str, str]]) -> None:
     vespo.OPT_STEPS = opt_steps  # build() reads the protocol's constants when it runs
     exp = vespo.build()
-    keep = [(c.scenario, c.method) in groups or ((c.scenario, c.method), c.seed) == (exp.reference, 0)
-            for c in exp.cells]
-    exp.cells = [c for c, k in zip(exp.cells, keep, strict=True) if k]
+    exp.cells = [c for c in exp.cells if (c.scenario, c.method) in groups
+                 or ((c.scenario, c.method), c.seed) == (exp.reference, 0)]
     out = f"runs/experiments/vespo-steps{opt_steps}"
     print(run_experiment(exp, out))
     analysis.summarize(out, extend=vespo.extend)
