@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: demo test install install-vllm install-trl lint
+.PHONY: demo test test-properties mutants install install-vllm install-trl lint
 
 install: $(VENV)/.installed
 
@@ -36,6 +36,14 @@ demo: install
 
 test: install install-vllm
 	$(BIN)/python -m pytest
+
+# Every Hypothesis property at >= 300 examples from a fresh random start (CI runs it once).
+test-properties: install
+	TETHER_HYPOTHESIS_EXAMPLES=300 $(BIN)/python -m pytest -p no:cacheprovider $$(grep -rl --include='*.py' '@given' tests)
+
+# The mutation check: each listed small change to a metric must fail a unit test.
+mutants: install
+	$(BIN)/python scripts/mutants.py
 
 lint: install
 	$(BIN)/ruff check src tests benchmarks

@@ -1,5 +1,12 @@
 """The asynchronous loop: real worker processes racing the trainer, bounded staleness, the
-ledger, partial rollouts scored per token, and a stop by SIGTERM resumed without loss."""
+ledger, partial rollouts scored per token, and a stop by SIGTERM resumed without loss.
+
+The race outcomes the tests assert are forced, not waited for (tests/race_gates.py): a
+barrier in the workers' reward makes both workers hold a batch, the trainer waits for
+every issued batch before training (generation outpaces training), a worker takes a new
+version at a decode step while the trainer holds that version back until it is there
+(weights land mid-batch), and a worker holds a batch until the test has sent SIGTERM
+(something is in flight at the stop)."""
 
 from __future__ import annotations
 
@@ -8,15 +15,16 @@ import os
 import signal
 import subprocess
 import sys
-import time
 
 import pytest
 import torch
 
+from tests.race_gates import gate, lines, wait_until
 from tether.config import ConfigError, TrainConfig, load_config
 from tether.ledger import Ledger, audit
 from tether.logger import read_jsonl
-from tether.loops import train
+from tether.loops import async_loop, train
+from tether.loops.scheduler import Scheduler
 from tether.models import load_model
 from tether.models.tokenizer import encode_exact
 from tether.rollout.hf import HFGenerator
@@ -35,23 +43,46 @@ def _cfg(model_dir, run_dir, *extra):
                        [f"model.path={model_dir}", f"run.dir={run_dir}", *ASYNC, *extra])
 
 
-def test_two_workers_bounded_staleness_every_prompt_accounted_for(warm_model_dir, tmp_path):
-    steps, eta = 10, 2
-    train(_cfg(warm_model_dir, tmp_path, f"train.steps={steps}", "loop.workers=2",
-               f"loop.max_staleness={eta}", "train.lr=1e-3", "eval.every=5", "eval.samples=2"))
-    a = audit(tmp_path / "ledger.jsonl")
+def _gated(model_dir, tmp_path, *extra, **rules):
+    """`_cfg` for a run in tmp_path/run whose reward passes the gates `rules`
+    (tests/race_gates.py, markers in tmp_path/gate)."""
+    cfg = _cfg(model_dir, tmp_path / "run", *extra)
+    return _cfg(model_dir, tmp_path / "run", *extra, *gate(tmp_path / "gate", cfg, **rules))
+
+
+def test_two_workers_bounded_staleness_every_prompt_accounted_for(warm_model_dir, tmp_path,
+                                                                  monkeypatch):
+    steps, eta, run_dir = 10, 2, tmp_path / "run"
+    # Both workers make batches: a barrier in the reward lets neither finish its first batch
+    # before the other holds one.
+    cfg = _gated(warm_model_dir, tmp_path, f"train.steps={steps}", "loop.workers=2",
+                 f"loop.max_staleness={eta}", "train.lr=1e-3", "eval.every=5", "eval.samples=2",
+                 barrier=2)
+
+    # Generation outpaces training, by construction: the trainer takes its next batch only
+    # once every batch issued has arrived, so all of the first window (slots 0..eta, issued
+    # at version 0) is sampled at version 0, and slot eta is trained at version eta.
+    def next_batch_when_all_arrived(sched, backend, trainer_version):
+        while len(sched.ready) < len(sched.outstanding):
+            for event in backend.receive(timeout=1.0):
+                sched.take(event, trainer_version)
+        return real_next_batch(sched, backend, trainer_version)
+
+    real_next_batch = async_loop._next_batch
+    monkeypatch.setattr(async_loop, "_next_batch", next_batch_when_all_arrived)
+    train(cfg)
+    a = audit(run_dir / "ledger.jsonl")
     assert a.ok, a.problems
     assert a.open == [] and a.trained == steps * 4 and sum(a.dropped.values()) == 0
-    # Generation outpaces training here, so the queue fills to the bound and it binds.
-    assert a.max_staleness == eta
-    rows = read_jsonl(tmp_path / "metrics.jsonl")
+    assert a.max_staleness == eta  # reached (forced above) and never exceeded
+    rows = read_jsonl(run_dir / "metrics.jsonl")
     # The trainer-side probe: held-out accuracy and reward at step 0, every 5 and the last.
     probed = [r["step"] for r in rows if {"eval/accuracy_sampled", "eval/reward_sampled"} <= r.keys()]
     assert probed == [0, 5, 10]
     rows = rows[1:]
     assert [r["step"] for r in rows] == list(range(1, steps + 1))
     assert max(r["staleness/versions/max"] for r in rows) == eta
-    assert {r["async/worker"] for r in rows} == {0.0, 1.0}  # both workers made batches
+    assert {r["async/worker"] for r in rows} == {0.0, 1.0}  # both workers made batches (barrier)
     assert rows[-1]["version"] == steps and rows[-1]["async/samples_per_s"] > 0
     # The decomposition works unchanged: fp32 generator, so the numerical part is ~0 while
     # the staleness part is what the race made.
@@ -157,20 +188,34 @@ def test_partial_rollout_samples_each_token_from_its_version(two_versions):
     assert (wrong[:, 4:] - batch.logp_rollout[:, 4:]).abs()[mask[:, 4:]].max() > 1e-3
 
 
-def test_async_partial_rollouts_train(warm_model_dir, tmp_path):
-    # Long responses (near-uniform sampling at temperature 10 rarely ends early) on tiny
-    # batches: generating a batch takes longer than a training step, so weights land
-    # mid-batch (seen in 8 of 12 steps).
-    steps = 12
-    train(_cfg(warm_model_dir, tmp_path, f"train.steps={steps}", "loop.partial=true",
-               "loop.max_staleness=1", "rollout.max_new_tokens=48", "rollout.temperature=10",
-               "rollout.prompts_per_step=2", "rollout.group_size=2", "train.lr=1e-3"))
-    a = audit(tmp_path / "ledger.jsonl")
+def test_async_partial_rollouts_train(warm_model_dir, tmp_path, monkeypatch):
+    # Weights land mid-batch by construction: the worker making slot 1 (at version 0) stops
+    # at its first decode-step boundary and waits there for a newer version; the trainer
+    # publishes version 1 (after training slot 0) only once the worker is waiting. So every
+    # response of slot 1 still sampling at decode step 1 spans versions 0 and 1.
+    steps, run_dir = 12, tmp_path / "run"
+    cfg = _gated(warm_model_dir, tmp_path, f"train.steps={steps}", "loop.partial=true",
+                 "loop.max_staleness=1", "rollout.max_new_tokens=48", "rollout.temperature=10",
+                 "rollout.prompts_per_step=2", "rollout.group_size=2", "train.lr=1e-3",
+                 switch_slot=1)
+    real_publish = Scheduler.publish
+
+    def publish_1_once_slot_1_is_mid_batch(sched, version, weights):
+        if version == 1:
+            assert wait_until((tmp_path / "gate" / "mid-batch").exists,
+                              lambda: all(w.is_alive() for w in sched.backend.workers))
+        real_publish(sched, version, weights)
+
+    monkeypatch.setattr(Scheduler, "publish", publish_1_once_slot_1_is_mid_batch)
+    train(cfg)
+    a = audit(run_dir / "ledger.jsonl")
     assert a.ok and a.trained == 2 * steps and a.max_staleness <= 1
-    rows = read_jsonl(tmp_path / "metrics.jsonl")[1:]
+    rows = read_jsonl(run_dir / "metrics.jsonl")[1:]
     partial = [r["async/partial_frac"] for r in rows]
     print("share of responses spanning two versions, per step:", partial)
-    assert sum(partial) > 0
+    # Step 2 trains slot 1. Near-uniform sampling (temperature 10) rarely ends a response at
+    # its first token, and which ones do is fixed by the seed, not by timing.
+    assert partial[1] > 0
     # fp32 generator: pi_old per token is exact, so the numerical part stays at kernel noise
     # on the batches that spanned two versions too.
     assert max(r["numerical/abs_log_ratio/max"] for r in rows) < 1e-4
@@ -180,34 +225,41 @@ def test_async_partial_rollouts_train(warm_model_dir, tmp_path):
 
 
 def test_sigterm_mid_run_resumes_with_nothing_lost_or_trained_twice(warm_model_dir, tmp_path):
-    steps = 12
+    steps, run_dir, gate_dir = 12, tmp_path / "run", tmp_path / "gate"
     args = [f"model.path={warm_model_dir}", *ASYNC, f"train.steps={steps}", "loop.workers=2",
             "loop.max_staleness=2", "run.checkpoint_every=0", "rollout.precision=bf16"]
+    # A worker holds slot 3 (problems 12..15; every:1 publishing, no drops: slot k holds
+    # problems 4k..4k+3) until the SIGTERM has been sent.
+    args += gate(gate_dir, load_config(None, args), hold="countdown-train-12")
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
 
     def tether(*a):
         return subprocess.Popen([sys.executable, "-m", "tether.cli", "train", *a], env=env,
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
-    run = tether(*args, f"run.dir={tmp_path}")
-    metrics = tmp_path / "metrics.jsonl"
-    deadline = time.monotonic() + 120
-    while not (metrics.is_file() and len(metrics.read_text().splitlines()) >= 4):
-        assert run.poll() is None and time.monotonic() < deadline, run.communicate()[1][-2000:]
-        time.sleep(0.02)
+    run = tether(*args, f"run.dir={run_dir}")
+    metrics = run_dir / "metrics.jsonl"
+    # Slot 3 held and steps 0..3 logged: the trainer waits for slot 3, or is about to check
+    # for a stop after step 3, and slot 3 is released only after the signal. So the run
+    # stops after step 3 or 4, and either way admission has more issued than trained
+    # (slots 3, 4 or 4, 5 at eta = 2): something is in flight at the stop.
+    started = wait_until(lambda: (gate_dir / "held").exists() and lines(metrics) >= 4,
+                         lambda: run.poll() is None)
+    assert started, run.communicate()[1][-2000:]
     run.send_signal(signal.SIGTERM)
-    _, err = run.communicate(timeout=60)
+    (gate_dir / "release").touch()
+    _, err = run.communicate(timeout=120)
     assert run.returncode == 128 + signal.SIGTERM, err[-2000:]
-    stopped = audit(tmp_path / "ledger.jsonl")
+    stopped = audit(run_dir / "ledger.jsonl")
     assert stopped.ok and stopped.open == []  # everything in flight was dropped, with its reason
     in_flight = stopped.dropped["in_flight_at_stop"]
-    assert in_flight > 0 and stopped.trained < steps * 4
+    assert in_flight > 0 and stopped.trained in (3 * 4, 4 * 4)
     assert len(stopped.awaiting_reissue) == in_flight  # issued again only on resume
 
-    resumed = tether("--resume", str(tmp_path))
-    _, err = resumed.communicate(timeout=180)
+    resumed = tether("--resume", str(run_dir))
+    _, err = resumed.communicate(timeout=300)
     assert resumed.returncode == 0, err[-2000:]
-    a = audit(tmp_path / "ledger.jsonl")
+    a = audit(run_dir / "ledger.jsonl")
     assert a.ok, a.problems  # no prompt trained twice, no outcome without an issue
     assert a.open == [] and a.trained == steps * 4 and a.awaiting_reissue == []
     assert a.dropped == stopped.dropped  # nothing else dropped

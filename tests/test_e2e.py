@@ -5,7 +5,10 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 
+import torch
+from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 from tether.config import load_config
@@ -100,3 +103,31 @@ def test_steps_answer_warm_starts_and_trains(tmp_path, warm_model_dir):
     assert 1 <= rows[1]["response/length_mean"] <= 48
     assert {"eval/accuracy_sampled", "eval/reward_sampled"} <= rows[1].keys()
     assert (result.run_dir / "final" / "model.safetensors").is_file()
+    # Three warm-start steps solve nothing: every reward is 0, so every advantage is 0 and the
+    # step leaves each weight exactly as it was (no weight decay here).
+    assert rows[1]["reward/mean"] == 0.0 and cfg.train.weight_decay == 0
+    assert _weight_steps(model_dir, result.run_dir / "final").max() == 0
+
+
+def _weight_steps(before: Path, after: Path) -> torch.Tensor:
+    """|after - before| of every weight, flattened."""
+    a, b = (load_file(d / "model.safetensors") for d in (before, after))
+    return torch.cat([(b[k] - a[k]).abs().flatten() for k in a])
+
+
+def test_one_rl_step_is_one_adamw_step_at_the_configured_lr(warm_model_dir, tmp_path):
+    cfg = load_config("configs/countdown.yaml", [
+        f"model.path={warm_model_dir}", f"run.dir={tmp_path}", "train.steps=1",
+        "rollout.prompts_per_step=8", "rollout.group_size=4", "rollout.max_new_tokens=12",
+        "task.eval_size=4", "eval.every=0", "eval.samples=0", "run.progress=false"])
+    train(cfg)
+    row = read_jsonl(tmp_path / "metrics.jsonl")[1]
+    assert 0 < row["reward/mean"] < 1 and row["version"] == 1  # some group has a signal
+    # AdamW's first update is lr * g / (|g| + eps) (no weight decay here): every weight moved
+    # by lr where |g| >> eps, or not at all (a character no response used keeps its embedding
+    # row, a zero gradient). 1% covers fp32 rounding: a weight near 1 has an ulp of 0.12% of lr.
+    step = _weight_steps(warm_model_dir, tmp_path / "final")
+    moved = step[step > 0]
+    lr = cfg.train.lr
+    assert cfg.train.weight_decay == 0 and moved.max() <= lr * 1.01
+    assert (moved > 0.99 * lr).float().mean() > 0.9 and moved.numel() > step.numel() / 2

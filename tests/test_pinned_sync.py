@@ -17,7 +17,8 @@ the step takes: an fp8 generator lagging one version with two optimizer steps pe
 Float results depend on the CPU's vector kernels, and through the samples so does the whole
 trajectory (on AVX2 the first held-out samples already differ from AVX-512's), so the runs
 are pinned per CPU capability (AVX512 and AVX2, recorded from the same code); on a machine
-of another capability only the steps and the metric names are compared. Re-record (only
+of another capability only the steps and the metric names are compared, and the test
+then skips, naming the capability (shown by pytest's -rs summary). Re-record (only
 for an intended change of trajectory, on each capability) with TETHER_WRITE_PIN=1.
 """
 
@@ -80,7 +81,9 @@ def test_sync_run_is_pinned(name, warm_model_dir, tmp_path):
     want = pinned.get(capability) or next(iter(pinned.values()))
     assert [r["step"] for r in got["rows"]] == [r["step"] for r in want["rows"]]
     assert [r.keys() for r in got["rows"]] == [r.keys() for r in want["rows"]]
-    if capability in pinned:
-        for a, b in zip(got["rows"], want["rows"]):
-            assert a == b, f"step {a['step']}: {sorted(k for k in a if a.get(k) != b.get(k))}"
-        assert got["weights_sha256"] == want["weights_sha256"]
+    if capability not in pinned:
+        pytest.skip(f"no values pinned for CPU capability {capability} (pinned: "
+                    f"{', '.join(sorted(pinned))}); steps and metric names matched")
+    for a, b in zip(got["rows"], want["rows"]):
+        assert a == b, f"step {a['step']}: {sorted(k for k in a if a.get(k) != b.get(k))}"
+    assert got["weights_sha256"] == want["weights_sha256"]

@@ -1,6 +1,7 @@
 """`loop.backend=ray`: rollout workers as Ray actors on a local Ray the test starts (2 CPUs,
 2 workers), every prompt accounted for in the ledger, and a worker killed mid-run by its
-handle: replaced, its prompts dropped as `worker_died` and trained on their next attempt."""
+handle while it provably holds prompts: replaced, its prompts dropped as `worker_died` and
+trained on their next attempt."""
 
 from __future__ import annotations
 
@@ -10,10 +11,10 @@ import os
 import subprocess
 import sys
 import threading
-import time
 
 import pytest
 
+from tests.race_gates import gate, wait_until
 from tether.config import ConfigError, load_config
 from tether.ledger import audit
 from tether.logger import read_jsonl
@@ -49,35 +50,39 @@ def test_ray_workers_train_every_prompt_exactly_once(local_ray, warm_model_dir, 
     assert a.max_staleness <= 2
     rows = read_jsonl(tmp_path / "metrics.jsonl")[1:]
     assert [r["step"] for r in rows] == list(range(1, steps + 1))
-    assert {r["async/worker"] for r in rows} == {0.0, 1.0}  # both actors made batches
+    # Both actors made batches, by construction: the first admission issues slots 0, 1, 2
+    # at once, each to the actor with the fewest pending (0, 1, 0), and the run needs all.
+    assert {r["async/worker"] for r in rows} == {0.0, 1.0}
     assert max(r["numerical/abs_log_ratio/max"] for r in rows) < 1e-4  # fp32 weights arrived intact
 
 
 def test_killed_worker_is_replaced_and_its_prompts_reissued(local_ray, warm_model_dir, tmp_path):
     from tether.rollout.ray_backend import actor_name
 
-    steps = 8
-    ledger = tmp_path / "ledger.jsonl"
-    killed, finished = threading.Event(), threading.Event()
+    steps, run_dir, gate_dir = 8, tmp_path / "run", tmp_path / "gate"
+    ledger = run_dir / "ledger.jsonl"
+    # Killed while it holds prompts, by construction: the actor rewarding problem 8 (slot 2,
+    # actor 0's second batch: slots 0, 1, 2 go to actors 0, 1, 0) holds it in its reward
+    # until killed, and the killer kills it once it holds it. Its replacement and the
+    # re-issued attempt pass.
+    cfg = _cfg(warm_model_dir, run_dir, f"train.steps={steps}")
+    cfg = _cfg(warm_model_dir, run_dir, f"train.steps={steps}",
+               *gate(gate_dir, cfg, hold="countdown-train-8"))
+    killed, finished = [], threading.Event()
 
-    def kill_worker_0_after_first_step():
-        # Watches until the run ends, not for a fixed time: on a loaded machine the actors
-        # took over 2 minutes to reach the first trained step.
-        while not finished.is_set():
-            if ledger.exists() and '"trained"' in ledger.read_text():
-                ray.kill(ray.get_actor(actor_name(tmp_path.name, os.getpid(), 0)))
-                killed.set()
-                return
-            time.sleep(0.05)
+    def kill_the_holder():
+        if wait_until((gate_dir / "held").exists, lambda: not finished.is_set()):
+            killed.append((gate_dir / "held").read_text())
+            ray.kill(ray.get_actor(killed[0]))
 
-    killer = threading.Thread(target=kill_worker_0_after_first_step, daemon=True)
+    killer = threading.Thread(target=kill_the_holder, daemon=True)
     killer.start()
     try:
-        train(_cfg(warm_model_dir, tmp_path, f"train.steps={steps}"))
+        train(cfg)
     finally:
         finished.set()
     killer.join()
-    assert killed.is_set()
+    assert killed == [actor_name(run_dir.name, os.getpid(), 0)]
     a = audit(ledger)
     assert a.ok, a.problems
     assert a.open == [] and a.trained == steps * 4  # the run finished, nothing lost

@@ -1,7 +1,8 @@
 """Nothing lost: a run killed with SIGKILL resumes from its last checkpoint bit for bit.
 
 The end-to-end test runs `tether train` twice in subprocesses on the warm tiny model: once
-straight through, once killed at a random step after its first checkpoint and resumed
+straight through, once killed at a fixed step after its first checkpoint (held there by
+its reward, tests/race_gates.py, so the kill lands at that step and no other) and resumed
 with `--resume`. Every metrics row but the time/* keys must be equal. The run uses an
 fp8 generator lagging one version and two optimizer steps per batch, so the checkpoint
 must carry a kept snapshot, the optimizer moments, the sync state and the versions.
@@ -18,13 +19,13 @@ import random
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
+from tests.race_gates import gate, lines, wait_until
 from tether.checkpoint import (
     RunState,
     _decode,
@@ -35,7 +36,7 @@ from tether.checkpoint import (
     save_checkpoint,
     trim_metrics,
 )
-from tether.config import ConfigError, TrainConfig
+from tether.config import ConfigError, TrainConfig, load_config
 from tether.logger import read_jsonl
 from tether.rollout.hf import HFGenerator
 from tether.rollout.types import SamplingParams
@@ -51,6 +52,10 @@ RUN = [
     "task.name=countdown", "task.eval_size=16", "eval.every=4", "eval.batch_size=16",
     "diagnostics.monitor_every=3", "diagnostics.monitor_prompts=2",
 ]
+# The killed run dies while generating step KILL_AFTER + 1: after step 5, its checkpoint
+# (every 2 steps) is a step behind, so a logged row is trimmed and re-run, and the rest
+# spans an evaluation (step 8) and a monitor step (6). TETHER_KILL_AFTER=k (3..7) picks another.
+KILL_AFTER = int(os.environ.get("TETHER_KILL_AFTER", "5"))
 
 
 def _train(*args: str) -> subprocess.Popen:
@@ -65,29 +70,32 @@ def _rows(run_dir: Path) -> list[dict]:
 
 
 def test_killed_run_resumes_bit_identical(warm_model_dir, tmp_path):
-    # Kill after a random step past the first checkpoint (step 2); TETHER_KILL_AFTER pins it.
-    kill_after = int(os.environ.get("TETHER_KILL_AFTER", random.Random().randint(3, STEPS - 1)))
+    assert 3 <= KILL_AFTER < STEPS
     common = [f"model.path={warm_model_dir}", *RUN]
-    straight = _train(*common, f"run.dir={tmp_path / 'straight'}")
-    killed_dir = tmp_path / "killed"
-    victim = _train(*common, f"run.dir={killed_dir}")
+    cfg = load_config(None, common)
+    # Both runs reward through the same gate module (tests/race_gates.py); only the killed
+    # one's holds: at step KILL_AFTER + 1's first problem, steps up to KILL_AFTER logged and
+    # checkpointed.
+    straight = _train(*common, f"run.dir={tmp_path / 'straight'}",
+                      *gate(tmp_path / "gate-straight", cfg))
+    killed_dir, gate_dir = tmp_path / "killed", tmp_path / "gate-killed"
+    hold = f"countdown-train-{KILL_AFTER * 4}"  # 4 prompts a step
+    victim = _train(*common, f"run.dir={killed_dir}", *gate(gate_dir, cfg, hold=hold))
     metrics = killed_dir / "metrics.jsonl"
-    deadline = time.monotonic() + 120
-    while not (metrics.is_file() and len(metrics.read_text().splitlines()) > kill_after):
-        assert victim.poll() is None, f"run ended before the kill: {victim.communicate()[1][-2000:]}"
-        assert time.monotonic() < deadline
-        time.sleep(0.02)
+    assert wait_until((gate_dir / "held").exists, lambda: victim.poll() is None), \
+        f"run ended before the kill: {victim.communicate()[1][-2000:]}"
     victim.send_signal(signal.SIGKILL)
     victim.wait()
     ckpt_step = list_checkpoints(killed_dir)[-1][0]
-    rows_at_kill = len(metrics.read_text().splitlines()) - 1
-    assert victim.returncode == -signal.SIGKILL and 2 <= ckpt_step < STEPS
+    rows_at_kill = lines(metrics) - 1
+    assert victim.returncode == -signal.SIGKILL
+    assert rows_at_kill == KILL_AFTER and ckpt_step == KILL_AFTER // 2 * 2
 
     resumed = _train("--resume", str(killed_dir))
-    _, err = resumed.communicate(timeout=120)
+    _, err = resumed.communicate(timeout=300)
     assert resumed.returncode == 0, err[-2000:]
     assert "Traceback" not in err
-    _, err = straight.communicate(timeout=120)
+    _, err = straight.communicate(timeout=300)
     assert straight.returncode == 0, err[-2000:]
 
     a, b = _rows(tmp_path / "straight"), _rows(killed_dir)
@@ -101,21 +109,23 @@ def test_killed_run_resumes_bit_identical(warm_model_dir, tmp_path):
 
 
 def test_sigterm_stops_after_the_step_with_a_checkpoint(warm_model_dir, tmp_path):
-    run = _train(f"model.path={warm_model_dir}", f"run.dir={tmp_path}", *RUN[:2],
-                 "run.checkpoint_every=0", "train.steps=50", "rollout.prompts_per_step=2",
-                 "rollout.group_size=2", "task.name=countdown", "task.eval_size=4", "eval.every=0")
-    metrics = tmp_path / "metrics.jsonl"
-    deadline = time.monotonic() + 60
-    while not (metrics.is_file() and len(metrics.read_text().splitlines()) >= 2):
-        assert run.poll() is None and time.monotonic() < deadline
-        time.sleep(0.02)
+    args = [f"model.path={warm_model_dir}", *RUN[:2], "run.checkpoint_every=0", "train.steps=50",
+            "rollout.prompts_per_step=2", "rollout.group_size=2", "task.name=countdown",
+            "task.eval_size=4", "eval.every=0"]
+    # The run holds in step 3's reward (problem 4, 2 prompts a step) until the signal is sent.
+    gate_dir = tmp_path / "gate"
+    run = _train(*args, f"run.dir={tmp_path / 'run'}",
+                 *gate(gate_dir, load_config(None, args), hold="countdown-train-4"))
+    assert wait_until((gate_dir / "held").exists, lambda: run.poll() is None), \
+        run.communicate()[1][-2000:]
     run.send_signal(signal.SIGTERM)
-    _, err = run.communicate(timeout=60)
-    last = read_jsonl(metrics)[-1]["step"]
+    (gate_dir / "release").touch()
+    _, err = run.communicate(timeout=120)
+    last = read_jsonl(tmp_path / "run" / "metrics.jsonl")[-1]["step"]
     assert run.returncode == 128 + signal.SIGTERM, err[-2000:]
     assert f"stopped by SIGTERM after step {last}; a checkpoint was saved" in err
     assert "Traceback" not in err
-    assert [s for s, _ in list_checkpoints(tmp_path)] == [last] and 1 <= last < 50
+    assert last == 3 and [s for s, _ in list_checkpoints(tmp_path / "run")] == [last]
 
 
 # --- the pieces ----------------------------------------------------------------------------

@@ -121,8 +121,9 @@ def test_routes_cost_one_byte_per_token_layer_and_expert(moe):
     assert batch.routed_experts.dtype == torch.uint8 and ro_bytes == 1
     assert batch.routed_experts.shape == (B, L, 4, 2)  # (rows, positions, layers, top-k)
     assert routes_dtype(256) == torch.uint8 and routes_dtype(257) == torch.int16
-    # The docs' figure: 48 layers x top-8 x 8192 tokens at 1 byte = 3 MiB per response.
-    assert 48 * 8 * 8192 == 3 * 2**20
+    # The docs' figure: a Qwen3-MoE-sized router (128 experts, 48 layers, top-8) records
+    # 8192 tokens at 1 byte each, 3 MiB per response.
+    assert torch.empty((8192, 48, 8), dtype=routes_dtype(128)).nbytes == 3 * 2**20
 
 
 def test_routing_replay_needs_a_moe_model_tether_can_patch():

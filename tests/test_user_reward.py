@@ -8,6 +8,7 @@ a reward that fails on a third of the samples).
 from __future__ import annotations
 
 import logging
+import signal
 import threading
 import time
 
@@ -22,6 +23,8 @@ from tether.tasks import Problem, Reward
 PROBLEM = Problem(id="p-1", prompt="3,7,9:42=")
 
 USER_MODULE = '''
+import time
+
 from tether.tasks import Reward
 
 
@@ -40,11 +43,19 @@ def flaky(problem, response):
 
 
 def spins(problem, response):
-    while True:
+    # Gives up after a minute, so a broken timeout fails the test instead of hanging it.
+    give_up = time.monotonic() + 60
+    while time.monotonic() < give_up:
         try:
             pass
         except Exception:  # a broad except must not swallow the timeout
             pass
+    return 1.0
+
+
+def naps(problem, response):
+    time.sleep(0.05)
+    return 0.25
 
 
 def wrong_type(problem, response):
@@ -91,12 +102,17 @@ def test_a_failing_call_scores_zero_and_is_reported(user_module, caplog, name, r
 
 
 def test_a_runaway_call_is_cut_at_the_timeout(user_module, caplog):
+    handler = signal.getsignal(signal.SIGALRM)
     guarded = GuardedReward(load_reward_fn("my_rewards:spins"), "my_rewards:spins", 0.2)
-    start = time.perf_counter()
     with caplog.at_level(logging.WARNING, logger="tether.rewards"):
         assert guarded(PROBLEM, "x") == Reward(0.0, {"error": 1.0, "timeout": 1.0})
-    assert 0.2 <= time.perf_counter() - start < 2.0
-    assert "ran longer than reward.timeout=0.2 s" in caplog.text
+    assert guarded.errors == 1 and "ran longer than reward.timeout=0.2 s" in caplog.text
+    # The alarm is disarmed and the caller's handler is back.
+    assert signal.getitimer(signal.ITIMER_REAL) == (0.0, 0.0)
+    assert signal.getsignal(signal.SIGALRM) is handler
+    # A call that ends within its timeout keeps its value (no early cut).
+    guarded = GuardedReward(load_reward_fn("my_rewards:naps"), "my_rewards:naps", 30.0)
+    assert guarded(PROBLEM, "x") == Reward(0.25, {}) and guarded.errors == 0
 
 
 def test_off_the_main_thread_the_timeout_still_holds():

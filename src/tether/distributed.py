@@ -22,6 +22,8 @@ stops with a checkpoint (docs/distributed.md).
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import os
 import signal
 import socket
@@ -116,7 +118,7 @@ class TrainerRanks:
             p.start()
         self.closed = False
         dist.init_process_group(backend, init_method=init, rank=0, world_size=W, timeout=TIMEOUT)
-        state = trainer.state_dict()
+        state = _shared(trainer.state_dict())
         for q in self.queues:
             q.put(state)  # every rank starts from rank 0's weights and optimizer moments
         trainer.shard, trainer.ranks = Shard(0, W), self
@@ -124,6 +126,7 @@ class TrainerRanks:
     def dispatch(self, *work: Any) -> None:
         """Hand the other ranks this step's (batch, advantages, logp_old, topk_logp_old)."""
         self.check(intact=True)
+        _shared(work)
         for q in self.queues:
             q.put(work)
 
@@ -196,10 +199,33 @@ def _rank_main(rank: int, world_size: int, backend: str, init: str, cfg: Config,
     model, _ = load_model(model_path)
     trainer = Trainer(model, cfg.train, sampling_params(cfg, model.config.vocab_size))
     trainer.shard = Shard(rank, world_size)
-    trainer.load_state_dict(work.get())
+    # A copy of its own: the queue hands over rank 0's tensors in shared memory, and the
+    # optimizer keeps loaded moments without copying them, so a resumed run's ranks would
+    # otherwise update one set of Adam moments (and step counts) in place, twice a step.
+    trainer.load_state_dict(copy.deepcopy(work.get()))
     while (item := next_or_orphaned(work, parent_pid)) is not None:
         trainer.train_on(*item)
     dist.destroy_process_group()
+
+
+def _shared(obj: Any) -> Any:
+    """`obj` with every CPU tensor in it (in dicts, lists, tuples, dataclasses) moved to
+    shared memory now, in this thread. A torch.multiprocessing queue would otherwise move
+    it in its feeder thread, after `put` returns: the storage is replaced in place and the
+    old one freed while this thread may still be reading it (seen: a segfault in a matmul
+    of the evaluation that follows `start_ranks`)."""
+    if isinstance(obj, torch.Tensor):
+        obj.share_memory_()
+    elif isinstance(obj, dict):
+        for v in obj.values():
+            _shared(v)
+    elif isinstance(obj, (list, tuple)):
+        for v in obj:
+            _shared(v)
+    elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        for f in dataclasses.fields(obj):
+            _shared(getattr(obj, f.name))
+    return obj
 
 
 def _free_port() -> int:

@@ -12,6 +12,8 @@ The metrics computed on the generator's own samples cannot see this: pi_theta pu
 mass where mu almost never samples (DLC saw up to 90% of the divergence on mu < 0.05
 tokens at collapse). Sampling uses its own torch.Generator, so the run's RNG stream,
 and with it the trajectory, does not depend on whether the monitor is on.
+`current_model_monitor` samples and scores; `monitor_metrics` is the arithmetic above,
+a pure function of the two log-probs and the mask.
 """
 
 from __future__ import annotations
@@ -56,8 +58,22 @@ def current_model_monitor(
     plain = SamplingParams(n=1, temperature=sampling.temperature, top_k=sampling.top_k,
                            top_p=sampling.top_p, max_new_tokens=sampling.max_new_tokens)
     logp_gen, _ = token_logprobs(generator_model, batch, plain)  # (B, T) log mu(y), y ~ pi_theta
-    keep = batch.response_mask.bool()
-    delta = (logp_gen.double() - batch.logp_rollout.double()).clamp(-SAFETY_BOUND, SAFETY_BOUND)
+    return monitor_metrics(logp_gen, batch.logp_rollout, batch.response_mask, rare_prob)
+
+
+def monitor_metrics(
+    logp_gen: torch.Tensor,
+    logp_sampler: torch.Tensor,
+    mask: torch.Tensor,
+    rare_prob: float = RARE_PROB,
+) -> dict[str, float]:
+    """The four `monitor/*` metrics of tokens y ~ pi_theta; inputs (B, T).
+
+    `logp_gen` is log mu(y) (the generator's score), `logp_sampler` log pi_theta(y) (the
+    sampling policy's own), `mask` the valid tokens.
+    """
+    keep = mask.bool()
+    delta = (logp_gen.double() - logp_sampler.double()).clamp(-SAFETY_BOUND, SAFETY_BOUND)
     delta = torch.where(keep, delta, 0.0)
     n = keep.sum().clamp(min=1)
     k3 = torch.where(keep, torch.expm1(delta) - delta, 0.0)  # (B, T), >= 0

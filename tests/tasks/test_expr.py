@@ -2,9 +2,10 @@ import operator
 from fractions import Fraction
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
+from tests.hypothesis_budget import examples
 from tether.tasks.expr import MAX_DEPTH_LIMIT, ExprFailure, ExprLimits, ExprValue, evaluate_expr
 
 
@@ -115,7 +116,7 @@ _WIDE = ExprLimits(
 )
 
 
-@settings(max_examples=500, deadline=None, database=None)
+@examples(500)
 @given(_trees)
 def test_fully_parenthesised_trees_evaluate_to_their_value(tree):
     value, text = tree

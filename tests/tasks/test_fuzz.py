@@ -15,10 +15,11 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
 import tether.tasks
+from tests.hypothesis_budget import examples
 from tether.tasks import CountdownTask, NumericAnswerTask, Problem, Reward
 
 COUNTDOWN = CountdownTask(eval_size=1, format_weight=0.25)
@@ -81,7 +82,7 @@ def numeric_task(tmp_path_factory):
     return NumericAnswerTask(path)
 
 
-@settings(max_examples=10_000, deadline=None, database=None)
+@examples(10_000)
 @given(_responses)
 def test_rewards_never_raise_or_execute(numeric_task, response):
     with _nothing_may_execute():
