@@ -89,7 +89,7 @@ def main() -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     from tether.config import load_config
     from tether.rollout.vllm_engine import vllm_available
-    from tether.run import resolve_model_path
+    from tether.setup import resolve_model_path
 
     model = args.model or str(resolve_model_path(load_config("configs/countdown.yaml")))
     if args.publish_cost:

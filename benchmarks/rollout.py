@@ -61,7 +61,7 @@ def model_dir(path: str | None) -> str:
     if path:
         return path
     from tether.config import Config
-    from tether.run import resolve_model_path
+    from tether.setup import resolve_model_path
 
     return str(resolve_model_path(Config()))  # the model `tether train` uses by default
 

@@ -54,7 +54,7 @@ from tether.rollout.hf import HFGenerator, sample_tokens
 from tether.rollout.types import Rollout, SamplingParams
 from tether.rollout.worker import rewarded_rollouts
 from tether.run import build_run
-from tether.step import train_step
+from tether.step import OldLogprobs, train_step
 from tether.trainer import Trainer, collate, score_batch, token_logprobs
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -210,7 +210,7 @@ def breakdown(args, device: torch.device, peaks: dict[str, float]) -> dict:
             t_old, _ = timed(lambda: trainer.score_old(batch, model), device)
         t_fb, _ = timed(lambda: forward_backward(trainer, batch), device)
         with measure("train"):
-            t_train, _ = timed(lambda: train_step(trainer, batch, rollouts, None, None, True), device)
+            t_train, _ = timed(lambda: train_step(trainer, batch, rollouts, OldLogprobs(None, None), True), device)
         with measure("sync"):
             t_sync, _ = timed(lambda: generator.load_weights(model.state_dict(), trainer.version),
                               device)
@@ -288,7 +288,7 @@ def scale_row(size: str, prompts: int, group: int, length: int, precision: str,
     batch = collate(rollouts, 0, device)
     t_old, _ = timed(lambda: score_batch(model, batch, sampling, 64, precision=precision),
                      device, 2)
-    t_train, _ = timed(lambda: train_step(trainer, batch, rollouts, None, None, True), device, 2)
+    t_train, _ = timed(lambda: train_step(trainer, batch, rollouts, OldLogprobs(None, None), True), device, 2)
     prompts_ids = [r.prompt_ids for r in rollouts]
     model.eval()
     t_gen, _ = timed(lambda: sample_tokens(model, prompts_ids, sampling,
@@ -338,7 +338,7 @@ def vocab_step(vocab: int, device: torch.device) -> dict:
     else:
         before = psutil.Process().memory_info().rss
     t0 = time.perf_counter()
-    train_step(trainer, batch, rollouts, None, None, True)
+    train_step(trainer, batch, rollouts, OldLogprobs(None, None), True)
     seconds = time.perf_counter() - t0
     peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else rss_high_water()
     largest = max(p.numel() for p in model.parameters())

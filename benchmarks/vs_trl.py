@@ -141,7 +141,7 @@ def main() -> None:
         return
     if args.model is None:
         from tether.config import load_config
-        from tether.run import resolve_model_path
+        from tether.setup import resolve_model_path
 
         args.model = str(resolve_model_path(load_config(ROOT / "configs/countdown.yaml")))
     if not Path(args.trl_python).is_file():

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-import tether.trainer
+import tether.trainer.core
 from tether.config import TrainConfig, load_config
 from tether.logger import read_jsonl
 from tether.loops import train
@@ -37,11 +37,11 @@ def test_lagged_decoupled_run_scores_pi_prox_at_the_current_weights(
     # sync.lag=2: step 0 trains on version 0 at version 0 (no pi_prox forward: pi_prox =
     # pi_old), steps 1 and 2 on version 0 at versions 1 and 2 (pi_prox scored, != pi_old).
     recorders: list[Recording] = []
-    build = tether.trainer.build_estimator
-    monkeypatch.setattr(tether.trainer, "build_estimator",
+    build = tether.trainer.core.build_estimator
+    monkeypatch.setattr(tether.trainer.core, "build_estimator",
                         lambda *a, **k: recorders.append(Recording(build(*a, **k))) or recorders[-1])
     forwards = []  # no-grad forwards inside each train_on
-    monkeypatch.setattr(tether.trainer, "score_batch",
+    monkeypatch.setattr(tether.trainer.core, "score_batch",
                         lambda *a, **k: forwards.append(1) or score_batch(*a, **k))
     steps = []  # per train_on: (trainer version, batch, a manual no-grad score now, forwards)
     train_on = Trainer.train_on
@@ -98,7 +98,7 @@ def test_current_batch_needs_no_pi_prox_forward(random_model, monkeypatch):
     batch = collate([_rollout(version=0, group=0, ids=[3, 4, 1]),
                      _rollout(version=0, group=0, ids=[5, 1, 1])], pad_id=0)
     forwards = []
-    monkeypatch.setattr(tether.trainer, "score_batch",
+    monkeypatch.setattr(tether.trainer.core, "score_batch",
                         lambda *a, **k: forwards.append(1) or score_batch(*a, **k))
     trainer.train_on(batch, torch.tensor([1.0, -1.0]), None, None)
     assert forwards == [] and recording.seen[0].logp_prox is None

@@ -1,6 +1,6 @@
 """Guards: a non-finite log-prob skips exactly its step, is logged, and repeated ones stop the run.
 
-NaN is injected by monkeypatching `tether.trainer.token_logprobs` in-process (no test-only
+NaN is injected by monkeypatching `tether.trainer.core.token_logprobs` in-process (no test-only
 flag in the product): the trainer's grad-enabled scoring of one chosen step returns a
 NaN at one response token.
 """
@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-import tether.trainer
+import tether.trainer.core
 from tether.checkpoint import list_checkpoints
 from tether.cli import main
 from tether.config import load_config
@@ -55,7 +55,7 @@ def test_step_guard_counts_and_trips():
 
 def _inject_nan(monkeypatch, steps: set[int]) -> None:
     """NaN in the trainer's log-prob of one token at each 1-based step in `steps`."""
-    real = tether.trainer.token_logprobs
+    real = tether.trainer.core.token_logprobs
     calls = {"n": 0}
 
     def token_logprobs(model, batch, sampling, *args):
@@ -67,7 +67,7 @@ def _inject_nan(monkeypatch, steps: set[int]) -> None:
                 logp[0, 0] = float("nan")
         return logp, topk
 
-    monkeypatch.setattr(tether.trainer, "token_logprobs", token_logprobs)
+    monkeypatch.setattr(tether.trainer.core, "token_logprobs", token_logprobs)
 
 
 def test_nan_logp_skips_exactly_that_step(warm_model_dir, tmp_path, monkeypatch):

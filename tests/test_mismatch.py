@@ -51,13 +51,12 @@ def run_steps(warm, precision: str, steps: int, lag: int = 0, minibatches: int =
         version = gen.version
         old_model = model if version == trainer.version else snapshots.model_at(version)
         logp_old, topk_old = trainer.score_old(batch, old_model)
-        sync.check(batch, logp_old, version, trainer.version, lambda: None)
         _, logp = trainer.train_on(batch, group_advantages(batch.rewards, batch.group_ids, True),
                                    logp_old, topk_old)
         d = decompose(batch.logp_rollout, logp_old, logp, batch.response_mask)
         out.append({"batch": batch, "d": d, "metrics": mismatch_metrics(d),
                     "staleness": trainer.version - minibatches - version,
-                    **sync.after_step(step, trainer.version, model.state_dict(), logp)})
+                    **sync.after_step(step, trainer.version, model.state_dict())})
     return out
 
 

@@ -7,9 +7,8 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-import tether.loops.sync_loop
 import tether.step
-import tether.trainer
+import tether.trainer.scoring
 from tether.config import TrainConfig, load_config
 from tether.logger import read_jsonl
 from tether.loops import train
@@ -33,12 +32,12 @@ def test_pi_old_from_the_training_forward_changes_nothing(warm_model_dir, tmp_pa
         return rows, load_file(result_dir / "final/model.safetensors")
 
     scored = []
-    score_old = tether.loops.sync_loop.score_old
-    monkeypatch.setattr(tether.loops.sync_loop, "score_old",
+    score_old = tether.step.score_old
+    monkeypatch.setattr(tether.step, "score_old",
                         lambda *a: scored.append(1) or score_old(*a))
     fast_rows, fast_weights = run("reuse")
     assert not scored  # no old-logprob forward was run
-    monkeypatch.setattr(tether.loops.sync_loop, "reuses_training_forward", lambda *a: False)
+    monkeypatch.setattr(tether.step, "reuses_training_forward", lambda *a: False)
     slow_rows, slow_weights = run("score")
     for fast, slow in zip(fast_rows, slow_rows, strict=True):
         assert fast["reward/mean"] == slow["reward/mean"]
@@ -87,7 +86,7 @@ def test_no_tokens_by_vocabulary_logits_in_a_training_step(monkeypatch):
     trainer = Trainer(model, TrainConfig(estimator="dlc", micro_batch=B), sampling)
     adv = group_advantages(torch.randn(B), batch.group_ids, True)
     full = score_batch(model, batch, sampling, micro_batch=B)  # one chunk: every token
-    monkeypatch.setattr(tether.trainer, "LOGIT_CHUNK_ELEMENTS", 16 * V)  # 16 tokens a chunk
+    monkeypatch.setattr(tether.trainer.scoring, "LOGIT_CHUNK_ELEMENTS", 16 * V)  # 16 tokens a chunk
     chunked = score_batch(model, batch, sampling, micro_batch=B)
     torch.testing.assert_close(chunked.logp, full.logp, rtol=0, atol=1e-5)
     torch.testing.assert_close(chunked.topk, full.topk, rtol=0, atol=1e-5)
@@ -145,7 +144,7 @@ def test_bf16_scores_differ_from_fp32_and_the_training_forward_matches_pi_old(ra
 def test_run_device(tmp_path):
     from tether.config import ConfigError
     from tether.errors import InputError
-    from tether.run import resolve_device
+    from tether.setup import resolve_device
 
     assert resolve_device("cpu") == torch.device("cpu")
     if not torch.cuda.is_available():
@@ -175,17 +174,17 @@ def test_shared_prompts_and_length_buckets_are_the_plain_forward(random_model, m
                                     precision="fp32", finish_reason="stop"))
     batch = collate(rollouts, pad_id=0)
     sampling = SamplingParams(n=8)
-    monkeypatch.setattr(tether.trainer, "BUCKET_ROWS", 8)
+    monkeypatch.setattr(tether.trainer.scoring, "BUCKET_ROWS", 8)
 
     def run() -> tuple[torch.Tensor, list[torch.Tensor], int]:
         random_model.zero_grad(set_to_none=True)
         with FlopCounterMode(display=False) as flops:
-            logp = tether.trainer.score_tokens(random_model, batch, sampling).logp
+            logp = tether.trainer.scoring.score_tokens(random_model, batch, sampling).logp
             (logp * torch.linspace(-1, 1, logp.numel()).view_as(logp)).sum().backward()
         return logp.detach(), [p.grad.clone() for p in random_model.parameters()], flops.get_total_flops()
 
     fast, fast_grads, fast_flops = run()
-    monkeypatch.setattr(tether.trainer, "decode_shared_prompts", lambda *a: None)
+    monkeypatch.setattr(tether.trainer.scoring, "decode_shared_prompts", lambda *a: None)
     plain, plain_grads, plain_flops = run()
     torch.testing.assert_close(fast, plain, rtol=0, atol=2e-6)
     for a, b in zip(fast_grads, plain_grads, strict=True):

@@ -28,6 +28,7 @@ from tether.weights import (
     parse_sync_policy,
     resolve_policy_spec,
 )
+from tether.weights.gate import StalenessGate
 
 # -- parsing ---------------------------------------------------------------------------------
 
@@ -109,8 +110,8 @@ def synchronizer(policy, gen, trainer, **kw) -> Synchronizer:
                         trainer.model.state_dict(), **kw)
 
 
-def after_step(sync: Synchronizer, trainer, step: int, logp=None) -> dict[str, float]:
-    return sync.after_step(step, trainer.version, trainer.model.state_dict(), logp)
+def after_step(sync: Synchronizer, trainer, step: int, tripped: bool = False) -> dict[str, float]:
+    return sync.after_step(step, trainer.version, trainer.model.state_dict(), tripped)
 
 
 def drive(policy: str, lag: int, steps: int):
@@ -182,9 +183,8 @@ def stale_batch(warm_model_dir):
     trainer = Trainer(model, TrainConfig(lr=1e-3), SAMPLING)
     gens = [HFGenerator(model, tokenizer.eos_token_id, tokenizer.pad_token_id, "fp32")
             for _ in range(3)]
-    # Built at version 0: each keeps version 0 for its generator. Policy set per test.
-    syncs = [synchronizer(EssTrigger(0.5), g, trainer, lag=8, on_trip=on_trip)
-             for g, on_trip in zip(gens, ["train", "train", "regenerate"])]
+    # Built at version 0: each keeps version 0 for its generator. Gates made per test.
+    syncs = [synchronizer(EssTrigger(0.5), g, trainer, lag=8) for g in gens]
     problems = [task.train_problem(i) for i in range(8)]
     rollouts = gens[0].generate([encode_exact(tokenizer, p.prompt) for p in problems],
                                 [p.id for p in problems], SAMPLING, seed=0)
@@ -204,18 +204,19 @@ def stale_batch(warm_model_dir):
 
 def test_ess_policy_trips_exactly_below_the_threshold(stale_batch):
     trainer, (at, above, _), batch, (adv, logp_old, topk), ess = stale_batch
-    at.policy = EssTrigger(ess)  # ESS == tau: not below, no re-sync
-    above.policy = EssTrigger(math.nextafter(ess, 1.0))  # one float above the ESS: trips
+    gate_at = StalenessGate(EssTrigger(ess), "train")  # ESS == tau: not below, no re-sync
+    gate_above = StalenessGate(EssTrigger(math.nextafter(ess, 1.0)), "train")  # one float above: trips
     # on_trip=train: the batch is trained on; its ESS is read off the training forward,
     # whose logp at version 2 (before this step's update) equals the no-grad one exactly.
-    def score_now():
+    def score_now(batch):
         raise AssertionError("on_trip=train reads the ESS off the training forward")
 
-    assert at.check(batch, logp_old, 0, trainer.version, score_now) is False
-    assert above.check(batch, logp_old, 0, trainer.version, score_now) is False
+    assert gate_at.before(batch, logp_old, trainer.version, score_now) is False
+    assert gate_above.before(batch, logp_old, trainer.version, score_now) is False
     _, logp = trainer.train_on(batch, adv, logp_old, topk)
     assert trainer.version == 3
-    m_at, m_above = after_step(at, trainer, 2, logp), after_step(above, trainer, 2, logp)
+    m_at = after_step(at, trainer, 2, gate_at.after(logp, score_now)) | gate_at.metrics()
+    m_above = after_step(above, trainer, 2, gate_above.after(logp, score_now)) | gate_above.metrics()
     assert m_at["sync/ess/token"] == m_above["sync/ess/token"] == ess
     assert (m_at["sync/tripped"], m_at["sync/synced"]) == (0.0, 0.0)
     assert at.generator_version == 0  # the lag (8) delivers nothing either
@@ -228,13 +229,14 @@ def test_ess_policy_trips_exactly_below_the_threshold(stale_batch):
 
 def test_regenerate_resyncs_before_training(stale_batch):
     trainer, (_, _, regen), batch, (_, logp_old, _), _ = stale_batch
-    regen.policy = EssTrigger(1.0)  # any staleness trips
-    score_now = lambda: trainer.score_old(batch, trainer.model)[0]
-    assert regen.check(batch, logp_old, 0, trainer.version, score_now) is True  # drop the batch
+    gate = StalenessGate(EssTrigger(1.0), "regenerate")  # any staleness trips
+    score_now = lambda b: trainer.score_old(b, trainer.model)[0]
+    assert gate.before(batch, logp_old, trainer.version, score_now) is True  # drop the batch
     regen.resync(trainer.version, trainer.model.state_dict())  # the loop syncs, then regenerates
     assert regen.generator_version == trainer.version > 0
-    m = after_step(regen, trainer, 2)
-    assert (m["sync/regenerated"], m["sync/synced"], m["staleness/versions/batch"]) == (1.0, 1.0, 0.0)
+    assert gate.after(None, score_now) is False  # decided before training
+    m = after_step(regen, trainer, 2) | gate.metrics()
+    assert (m["sync/regenerated"], m["sync/synced"]) == (1.0, 1.0)
     assert m["sync/ess/token"] < 1.0 and m["sync/tripped"] == 1.0
     assert regen.snapshots.versions == [trainer.version]
 
@@ -261,16 +263,18 @@ def test_on_trip_train_measures_the_first_minibatch_only():
     from types import SimpleNamespace
 
     trainer, gen = FakeTrainer(), FakeGenerator()
-    sync = synchronizer(EssTrigger(0.5), gen, trainer, lag=4, minibatches=2)
+    sync = synchronizer(EssTrigger(0.5), gen, trainer, lag=4)
+    gate = StalenessGate(EssTrigger(0.5), "train", minibatches=2)
     trainer.step()  # the batch below was sampled at version 0, training starts at 1
-    batch = SimpleNamespace(response_mask=torch.ones(4, 3))
+    batch = SimpleNamespace(response_mask=torch.ones(4, 3),
+                            token_versions=torch.zeros(4, 3, dtype=torch.long))
     logp_old = torch.zeros(4, 3)
     logp = torch.tensor([[0.0] * 3, [0.0] * 3, [9.0] * 3, [-9.0] * 3])
-    assert sync.check(batch, logp_old, 0, trainer.version, lambda: None) is False
-    m = after_step(sync, trainer, 0, logp)
+    assert gate.before(batch, logp_old, trainer.version, lambda b: None) is False
+    m = after_step(sync, trainer, 0, gate.after(logp, lambda b: None)) | gate.metrics()
     assert (m["sync/ess/token"], m["sync/tripped"]) == (1.0, 0.0)
-    sync.minibatches = 1  # the whole batch: e^9 dominates, ESS ~ 1/4 -> trips
-    sync.check(batch, logp_old, 0, trainer.version, lambda: None)
-    m = after_step(sync, trainer, 1, logp)
+    gate.minibatches = 1  # the whole batch: e^9 dominates, ESS ~ 1/4 -> trips
+    gate.before(batch, logp_old, trainer.version, lambda b: None)
+    m = after_step(sync, trainer, 1, gate.after(logp, lambda b: None)) | gate.metrics()
     assert m["sync/ess/token"] == pytest.approx(0.25, abs=1e-3) and m["sync/tripped"] == 1.0
     assert gen.version == trainer.version == 1

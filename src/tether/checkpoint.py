@@ -36,24 +36,17 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from tether.config import Config, ConfigError, load_config, parse_overrides
+from tether.config import Config, ConfigError, load_config, parse_overrides, resumable_keys
 from tether.errors import InputError
 
 FORMAT = 1
 CHECKPOINTS = "checkpoints"
 _STEP_DIR = re.compile(r"^step-(\d{8})$")
 
-RESUME_OVERRIDABLE = (
-    "train.steps", "train.max_bad_steps", "eval.", "log.", "diagnostics.", "run.progress",
-    "run.threads", "run.checkpoint_every", "run.keep_checkpoints", "reward.timeout",
-    "loop.workers", "loop.worker_threads", "loop.backend", "loop.ray_address", "loop.worker_cpus",
-    "loop.worker_gpus", "train.world_size", "train.dist_backend",
-)
-"""Config keys (or sections, ending in ".") a resumed run may change. They do not change
-the trajectory; every other key does, and is refused on resume. `run.threads` can change
-float reduction order on some backends: keep it for a bit-identical continuation. An
-asynchronous run has no bit-identical trajectory (the race decides which weights sample
-each batch), so its number of rollout workers, and where they run, may change too."""
+RESUME_OVERRIDABLE = tuple(resumable_keys())
+"""Config keys (or sections, ending in ".") a resumed run may change: those the schema marks
+RESUMABLE (tether.config.sections says why each may). They do not change the trajectory;
+every other key does, and is refused on resume."""
 
 
 class Stateful(Protocol):

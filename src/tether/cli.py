@@ -96,7 +96,7 @@ def _cmd_config(args: argparse.Namespace) -> int:
 
 
 def _cmd_init_model(args: argparse.Namespace) -> int:
-    from tether.run import resolve_model_path
+    from tether.setup import resolve_model_path
 
     print(resolve_model_path(load_config(args.config, args.overrides)))
     return 0

@@ -2,13 +2,14 @@
 mini-batch, with the loss and gradient of the whole mini-batch.
 
 Rank 0 is the driver's own `Trainer` (it scores pi_old, logs, publishes and checkpoints as
-with one process); ranks 1..N-1 are processes (`torch.multiprocessing`, spawn) holding a
-copy of the model and optimizer, fed each step's batch through a queue. They meet in
+with one process), handed `TrainerRanks` as its collective; ranks 1..N-1 are processes (`torch.multiprocessing`, spawn) holding a
+copy of the model (placed with `run.device`, tether.setup) and optimizer, each handed a
+`RankView`, fed each step's batch through a queue. They meet in
 torch.distributed (`train.dist_backend`: gloo on CPU; nccl where the trainer's weights are
 on a GPU). Every rank starts from rank 0's state and applies the same summed gradient
 with the same optimizer, so the copies stay equal.
 
-The whole batch's gradient, not the mean of the ranks' (tether.trainer.Trainer._step):
+The whole batch's gradient, not the mean of the ranks' (tether.trainer.core.Trainer._step):
 each rank scales its loss by its share of the mini-batch under the estimator's
 aggregation, with the denominator counted over *all* ranks: token-mean divides by the
 global number of response tokens (all-reduced first), the sequence means by the global
@@ -37,16 +38,25 @@ import torch.distributed as dist
 
 from tether.config import Config
 from tether.errors import RankFailed
+from tether.rollout.worker import next_or_orphaned
+from tether.setup import load_policy, sampling_params
+from tether.trainer import Trainer
 
 TIMEOUT = timedelta(minutes=5)  # a collective waiting this long for a rank fails
 
 
-class Shard:
-    """One rank's view: which rows of a mini-batch are its own, and the collectives the
-    trainer needs (all no-ops with one rank)."""
+class RankView:
+    """A rank's `Collective` (tether.trainer.collective): which rows of a mini-batch are its
+    own, and the collectives of torch.distributed. Ranks 1..N-1 use it as it is."""
 
     def __init__(self, rank: int, world_size: int):
         self.rank, self.world_size = rank, world_size
+
+    def begin(self, *work: Any) -> None:
+        pass
+
+    def failed(self, cause: Exception, intact: bool) -> None:
+        raise cause
 
     def rows(self, start: int, n: int) -> slice:
         """This rank's contiguous share of rows start..start+n (n divisible by world_size)."""
@@ -99,14 +109,15 @@ def resolve_backend(requested: str, params_on_gpu: bool) -> str:
     return requested
 
 
-class TrainerRanks:
-    """Ranks 1..N-1 as processes; the caller's Trainer becomes rank 0. `dispatch` sends a
-    step's batch to them (Trainer.train_on calls it), `stop` ends them."""
+class TrainerRanks(RankView):
+    """Rank 0's collective: ranks 1..N-1 as processes, started from `state` (rank 0's
+    trainer state). `begin` sends them each step's batch, `stop` ends them."""
 
-    def __init__(self, trainer: Any, cfg: Config, model_path: str | Path):
+    def __init__(self, state: dict[str, Any], cfg: Config, model_path: str | Path,
+                 device: torch.device):
         W = cfg.train.world_size
-        on_gpu = next(trainer.model.parameters()).is_cuda
-        backend = resolve_backend(cfg.train.dist_backend, on_gpu)
+        super().__init__(0, W)
+        backend = resolve_backend(cfg.train.dist_backend, device.type == "cuda")
         init = f"tcp://127.0.0.1:{_free_port()}"
         ctx = torch.multiprocessing.get_context("spawn")
         self.queues = [ctx.Queue() for _ in range(W - 1)]
@@ -118,17 +129,20 @@ class TrainerRanks:
             p.start()
         self.closed = False
         dist.init_process_group(backend, init_method=init, rank=0, world_size=W, timeout=TIMEOUT)
-        state = _shared(trainer.state_dict())
+        _shared(state)
         for q in self.queues:
             q.put(state)  # every rank starts from rank 0's weights and optimizer moments
-        trainer.shard, trainer.ranks = Shard(0, W), self
+        self.devices = self.gather(str(device))  # where each rank placed its model
 
-    def dispatch(self, *work: Any) -> None:
+    def begin(self, *work: Any) -> None:
         """Hand the other ranks this step's (batch, advantages, logp_old, topk_logp_old)."""
         self.check(intact=True)
         _shared(work)
         for q in self.queues:
             q.put(work)
+
+    def failed(self, cause: Exception, intact: bool) -> None:
+        self.check(intact, cause)
 
     def check(self, intact: bool, cause: Exception | None = None) -> None:
         """Raise `RankFailed` naming the ranks whose process is gone (or, with `cause`, the
@@ -178,31 +192,34 @@ class OneRank:
         pass
 
 
-def start_ranks(trainer: Any, cfg: Config, model_path: str | Path) -> TrainerRanks | OneRank:
-    """With `train.world_size` > 1, start the other ranks (the trainer is rank 0)."""
-    return TrainerRanks(trainer, cfg, model_path) if cfg.train.world_size > 1 else OneRank()
+def start_ranks(trainer: Trainer, cfg: Config, model_path: str | Path) -> TrainerRanks | OneRank:
+    """With `train.world_size` > 1, start the other ranks from `trainer`'s state and hand
+    it their collective (it becomes rank 0)."""
+    if cfg.train.world_size == 1:
+        return OneRank()
+    ranks = TrainerRanks(trainer.state_dict(), cfg, model_path,
+                         next(trainer.model.parameters()).device)
+    trainer.attach(ranks)
+    return ranks
 
 
 def _rank_main(rank: int, world_size: int, backend: str, init: str, cfg: Config,
                model_path: str, work: Any, parent_pid: int) -> None:
-    """A trainer rank > 0: the model and optimizer, then one `train_on` per batch sent."""
-    from tether.models import load_model
-    from tether.rollout.worker import next_or_orphaned
-    from tether.run import sampling_params
-    from tether.trainer import Trainer
-
+    """A trainer rank > 0: the model on `run.device` and the optimizer, then one `train_on`
+    per batch sent."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C: rank 0 finishes the step, then stops us
     if cfg.run.threads:
         torch.set_num_threads(cfg.run.threads)
     dist.init_process_group(backend, init_method=init, rank=rank, world_size=world_size,
                             timeout=TIMEOUT)
-    model, _ = load_model(model_path)
+    _, model, _ = load_policy(cfg, model_path)
     trainer = Trainer(model, cfg.train, sampling_params(cfg, model.config.vocab_size))
-    trainer.shard = Shard(rank, world_size)
+    trainer.attach(RankView(rank, world_size))
     # A copy of its own: the queue hands over rank 0's tensors in shared memory, and the
     # optimizer keeps loaded moments without copying them, so a resumed run's ranks would
     # otherwise update one set of Adam moments (and step counts) in place, twice a step.
     trainer.load_state_dict(copy.deepcopy(work.get()))
+    trainer.collective.gather(str(next(model.parameters()).device))  # TrainerRanks.devices
     while (item := next_or_orphaned(work, parent_pid)) is not None:
         trainer.train_on(*item)
     dist.destroy_process_group()

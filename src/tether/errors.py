@@ -7,13 +7,11 @@
 - `TooManyBadSteps` (exit 3) and `StopRequested` (exit 128 + signal): a run stopped, with
   a checkpoint, by its guard or by SIGINT/SIGTERM (tether.guards).
 - `RankFailed` (exit 4): a data-parallel trainer rank died (tether.distributed).
-Kept free of heavy imports, so the CLI can name them without loading torch.
+Imports nothing from tether, so every module can raise them and the CLI can name them
+without loading torch.
 """
 
 from __future__ import annotations
-
-from pathlib import Path
-from typing import Any
 
 
 class InputError(ValueError):
@@ -48,17 +46,3 @@ class RankFailed(RuntimeError):
     def __init__(self, message: str, intact: bool):
         super().__init__(message)
         self.intact = intact
-
-    def checkpointed(self, run_dir: Path, step: int, state: Any, keep: int) -> RankFailed:
-        """Save the state after `step` steps when intact; the error to stop the run with."""
-        from tether.checkpoint import latest_checkpoint, save_checkpoint
-
-        if self.intact:
-            save_checkpoint(run_dir, step, state, keep=keep)
-            where = f"a checkpoint was saved after step {step}"
-        else:
-            last = latest_checkpoint(run_dir)
-            where = (f"the step had begun updating the weights; the last checkpoint is {last}"
-                     if last else "the step had begun updating the weights and no checkpoint exists")
-        return RankFailed(f"{self} during step {step + 1}; {where}: continue with "
-                          f"`tether train --resume {run_dir}`", self.intact)

@@ -94,9 +94,6 @@ class StepGuard:
     exactly where the uninterrupted one would.
     """
 
-    TENSORS = ("logp_old", "logp_rollout", "advantages", "logp", "topk_logp", "loss", "grad_norm")
-    """What is checked, in this order; `guard/bad/<name>` names the culprit in the metrics."""
-
     def __init__(self, max_in_a_row: int):
         self.max_in_a_row = max_in_a_row
         self.in_a_row = 0

@@ -23,9 +23,20 @@ class MissingTarget(InputError):
     """The named module or file does not exist (nothing of the user's ran)."""
 
 
+def split_spec(spec: str, kind: str = "function") -> tuple[str, str]:
+    """`'pkg.mod:name'` or `'path/to/file.py:name'` -> (module or file, name); ValueError else."""
+    target, sep, name = spec.rpartition(":")
+    if not sep or not target or not name.isidentifier():
+        raise ValueError(f"must be 'package.module:{kind}' or 'path/to/file.py:{kind}'")
+    return target, name
+
+
 def import_object(spec: str, where: str, kind: str = "function") -> Any:
     """The object `spec` names; `where` ("reward.fn='...'") prefixes every error message."""
-    target, _, name = spec.rpartition(":")
+    try:
+        target, name = split_spec(spec, kind)
+    except ValueError as e:
+        raise InputError(f"{where}: {e}") from None
     try:
         module = _import_file(Path(target), where) if _is_file(target) else _import_module(target, where, kind)
     except MissingTarget:

@@ -289,13 +289,22 @@ def probe(cfg: Config, batches: int = 2) -> ProbeResult:
     """Run the probe on `cfg`'s model, engine and numerics (see the module docstring)."""
     from tether.diagnostics import divergence_metrics, is_moe, routing_disagreement
     from tether.rollout.worker import rewarded_rollouts
-    from tether.run import build_generator, build_task_and_reward, load_policy, sampling_seed
+    from tether.setup import (
+        build_generator,
+        build_task_and_reward,
+        load_policy,
+        sampling_params,
+        sampling_seed,
+        seed_process,
+    )
     from tether.trainer import LOGP_FLOOR, Trainer, collate, group_advantages
     from tether.weights.policy import staleness_ess
 
     r = cfg.rollout
+    seed_process(cfg)
     task, reward_fn = build_task_and_reward(cfg)
-    model_path, model, tokenizer, sampling = load_policy(cfg)
+    model_path, model, tokenizer = load_policy(cfg)
+    sampling = sampling_params(cfg, model.config.vocab_size)
     generator = build_generator(cfg, model, model_path, tokenizer)
     steps, source = staleness_steps(cfg)
     # One optimizer step per fresh batch: the staleness spans `steps` versions.

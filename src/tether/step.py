@@ -1,8 +1,10 @@
 """One training step on a rewarded batch: the part both loops share.
 
-    score_old   pi_old per token, at the weight version that sampled it
-    train_step  advantages, loss and optimizer step(s) (with pi_prox, scored by the trainer
-                for an estimator that reads it), the mismatch by cause, batch metrics
+    old_logprobs  pi_old per token, at the weight version that sampled it: the one producer
+                  (`score_old` scores, or the training forward gives it when that is the same)
+    train_step    advantages, loss and optimizer step(s) (with pi_prox, scored by the trainer
+                  for an estimator that reads it), batch metrics
+    Diagnostics   the mismatch by cause, MoE routing, the current-model monitor
 
 Everything about where the batch came from (a generator in this process, a lagged one,
 worker processes racing the trainer) stays in the loops (tether.loops); everything about
@@ -80,6 +82,27 @@ def score_old(trainer: Trainer, batch: RolloutTensors,
             at[:, P - 1:P + T - 1] = sel  # the positions that predict version v's tokens
             experts[rows] = torch.where(at[..., None, None], s.experts, experts[rows])
     return logp, topk, replace(batch, routed_experts=experts) if r2 else batch
+
+
+@dataclass
+class OldLogprobs:
+    """pi_old of a batch's tokens. `logp` None: every token was sampled at the trainer's
+    current weights, so the training forward gives it (`reuses_training_forward`) and
+    `train_step` returns it as `StepOutput.logp_old`."""
+
+    logp: torch.Tensor | None  # (B, T)
+    topk: torch.Tensor | None  # (B, T, K) at the batch's top-K ids, when it has them
+
+
+def old_logprobs(trainer: Trainer, batch: RolloutTensors,
+                 model_at: ModelAt) -> tuple[OldLogprobs, RolloutTensors]:
+    """pi_old of `batch` and the batch the training forwards are to score (`score_old`):
+    scored at the versions that sampled each token, or left to the training forward when
+    that gives the same numbers without a forward of its own."""
+    if reuses_training_forward(trainer, batch):
+        return OldLogprobs(None, None), batch
+    logp, topk, batch = score_old(trainer, batch, model_at)
+    return OldLogprobs(logp, topk), batch
 
 
 def reuses_training_forward(trainer: Trainer, batch: RolloutTensors) -> bool:
@@ -171,16 +194,17 @@ class Diagnostics:
 
 
 def train_step(trainer: Trainer, batch: RolloutTensors, rollouts: list[Rollout],
-               logp_old: torch.Tensor | None, topk_logp_old: torch.Tensor | None,
-               adv_std_norm: bool) -> StepOutput:
+               old: OldLogprobs, adv_std_norm: bool) -> StepOutput:
     """Group advantages, then the loss and `train.minibatches` optimizer steps.
 
-    `logp_old` None (`reuses_training_forward`): pi_old is taken from the training forward;
-    a step cut short before scoring every row scores it at the (unchanged) weights. pi_prox,
-    when the estimator reads it, is `Trainer.train_on`'s (its forward counts in time/train)."""
+    pi_old left to the training forward (`old.logp` None) is that forward's logp; a step
+    skipped or cut short before scoring every row did not move the weights, so one no-grad
+    forward at them gives it. pi_prox, when the estimator reads it, is `Trainer.train_on`'s
+    (its forward counts in time/train)."""
     t0 = time.perf_counter()
     advantages = group_advantages(batch.rewards, batch.group_ids, adv_std_norm)
-    rows, logp = trainer.train_on(batch, advantages, logp_old, topk_logp_old)
+    rows, logp = trainer.train_on(batch, advantages, old.logp, old.topk)
+    logp_old = old.logp
     if logp_old is None:
         logp_old = logp if logp is not None else trainer.score_old(batch, trainer.model)[0]
     metrics = {**mean_metrics(rows), **batch_metrics(batch, rollouts),

@@ -9,6 +9,8 @@ from dataclasses import dataclass
 
 from tether.estimators.registry import CORRECTIONS, OBJECTIVES
 
+DEFAULT_SYNC_POLICY = "every:1"  # a preset's, and a composed estimator's, unless it names one
+
 
 @dataclass(frozen=True)
 class Preset:
@@ -20,6 +22,8 @@ class Preset:
     centering: bool = False
     source: str = ""
     params: tuple[tuple[str, object], ...] = ()  # the preset's own defaults over its parts'
+    # The method's sync policy (tether.weights.policy syntax): what `sync.policy: auto` picks.
+    sync_policy: str = DEFAULT_SYNC_POLICY
 
     @property
     def corrects(self) -> str:
@@ -86,10 +90,12 @@ PRESETS: dict[str, Preset] = {
             "stale_is",
             centering=True,
             source="DLC (Li, Zhou, Lan); centering: Marek & Ryabinin, arXiv 2609.20807",
+            sync_policy="ess:0.5",
         ),
         # dlc with its staleness weight under PPO's clip around pi_old (as tis has it), the
         # centering taking the clipped w(v): does the clip's anchor explain tis's stability?
-        Preset("dlc_clip", "ppo", centering=True, source="dlc with w = PPO-clipped r (tether)"),
+        Preset("dlc_clip", "ppo", centering=True, source="dlc with w = PPO-clipped r (tether)",
+               sync_policy="ess:0.5"),
         Preset("reweight", "total_is", source="DLC's plain reweighting baseline (Li, Zhou, Lan)"),
     )
 }

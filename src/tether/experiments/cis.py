@@ -179,7 +179,7 @@ def measure_generator(meta: dict, scenario: str, seed: int) -> dict:
     from tether.probe import _cat, epsilon_bins
     from tether.rollout.hf import HFGenerator
     from tether.rollout.types import SamplingParams
-    from tether.run import logit_noise
+    from tether.setup import logit_noise
     from tether.tasks import task_from_config
     from tether.trainer import collate, token_logprobs
 

@@ -151,7 +151,7 @@ def resolve_start_model(base: list[str], model_path: str | None) -> str:
     if model_path:
         return str(Path(model_path).expanduser())
     from tether.config import load_config
-    from tether.run import resolve_model_path
+    from tether.setup import resolve_model_path
 
     return str(resolve_model_path(load_config(None, base)))
 

@@ -29,7 +29,7 @@ from tether.config import Config
 from tether.ledger import Ledger
 from tether.rollout.backend import Lost, RolloutBackend
 from tether.rollout.worker import BatchResult, WorkItem
-from tether.weights.policy import EssTrigger, EveryK, SyncPolicy
+from tether.weights.policy import SyncPolicy
 from tether.weights.snapshots import SnapshotStore
 
 Attempts = tuple[tuple[int, ...], tuple[int, ...]]  # (prompts, attempt numbers)
@@ -125,13 +125,8 @@ class Scheduler:
         """Publish per policy, free snapshots no batch can need; this step's metrics."""
         V, pub = trainer_version, self.backend.version
         behind = V - pub
-        more = self.trained + len(self.outstanding) < self.steps
-        if isinstance(self.policy, EveryK):
-            due = behind >= self.policy.k
-        else:  # bounded:K, ess: lazily, when the next slot could not be admitted otherwise
-            due = more and not self._admissible(V)
-            if isinstance(self.policy, EssTrigger):
-                due = due or tripped or self.policy.overdue(behind)
+        blocked = self.trained + len(self.outstanding) < self.steps and not self._admissible(V)
+        due = self.policy.publishes(behind, blocked, tripped)
         if due and behind > 0:
             self.publish(V, weights)
         oldest = min((it.min_version for it in self.outstanding.values()),

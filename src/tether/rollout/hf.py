@@ -24,29 +24,8 @@ from transformers import DynamicCache, PreTrainedModel
 from tether.errors import InputError
 from tether.models.routing import add_router_noise, route
 from tether.rollout.numerics import apply_numerics
+from tether.rollout.sampling import distinct_prompts, process_logits
 from tether.rollout.types import Rollout, SamplingParams
-
-
-def process_logits(logits: torch.Tensor, temperature: float, top_k: int, top_p: float) -> torch.Tensor:
-    """Log-probs of the distribution actually sampled from: (..., V) logits -> (..., V) log-probs.
-
-    Tokens removed by top-k or top-p get -inf. The same function scores `logp_old` and
-    `logp` in the trainer, so with equal weights and numerics all three agree exactly.
-    """
-    logits = logits.float()
-    if temperature > 0:
-        logits = logits / temperature
-    if top_k > 0 and top_k < logits.shape[-1]:
-        kth = torch.topk(logits, top_k, dim=-1).values[..., -1:]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if top_p < 1.0:
-        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
-        probs = torch.softmax(sorted_logits, dim=-1)
-        # Keep a token if the mass strictly before it is < top_p: the smallest nucleus.
-        drop_sorted = (probs.cumsum(-1) - probs) >= top_p
-        drop = drop_sorted.scatter(-1, order, drop_sorted)
-        logits = logits.masked_fill(drop, float("-inf"))
-    return torch.log_softmax(logits, dim=-1)
 
 
 def student_t(shape: tuple[int, ...], dof: int, g: torch.Generator, device) -> torch.Tensor:
@@ -154,17 +133,6 @@ class HFGenerator:
                 )
             )
         return rollouts
-
-
-def distinct_prompts(input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The distinct rows of left-padded prompts (U, P): their ids, their attention mask, and
-    each row's index among them (B,). Rows match on ids and mask both, so a prompt holding
-    the pad token is not taken for a padded one."""
-    P = input_ids.shape[1]
-    distinct, inverse = torch.unique(torch.cat([input_ids, attention_mask], dim=1), dim=0,
-                                     return_inverse=True)
-    return distinct[:, :P], distinct[:, P:], inverse
 
 
 def _shared_prefill(model: PreTrainedModel, input_ids: torch.Tensor, attn: torch.Tensor,

@@ -25,12 +25,14 @@ vLLM is an optional dependency: importing this module works without it, construc
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import json
 import logging
 import os
 import random
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -249,11 +251,9 @@ class VLLMGenerator:
         with _keep_global_rng():
             outputs = self.llm.generate(requests, params, use_tqdm=False)
 
-        rollouts = []
-        for group_id, (pid, ids, out) in enumerate(zip(prompt_ids, prompts, outputs)):
-            for sample in sorted(out.outputs, key=lambda o: o.index):
-                rollouts.append(self._rollout(pid, group_id, ids, sample, sampling.logprobs_topk))
-        return rollouts
+        return [self._rollout(pid, group_id, ids, sample, sampling.logprobs_topk)
+                for group_id, (pid, ids, out) in enumerate(zip(prompt_ids, prompts, outputs))
+                for sample in sorted(out.outputs, key=lambda o: o.index)]
 
     def _rollout(self, prompt_id, group_id, prompt, sample, topk: int) -> Rollout:
         if sample.finish_reason not in FINISH_REASONS:
@@ -410,24 +410,20 @@ def _checkpoint_names(model_path: Path) -> set[str]:
     return names
 
 
-class _keep_global_rng:
-    """Context manager: leave the process's global RNGs as they were.
+@contextlib.contextmanager
+def _keep_global_rng() -> Iterator[None]:
+    """Leave the process's global RNGs as they were.
 
     vLLM seeds torch, numpy and random when it starts; the trainer shares this process
     and its run must not depend on whether the engine is vLLM (resume bit for bit).
     """
-
-    def __enter__(self) -> None:
-        import numpy as np
-
-        self.states = (torch.get_rng_state(), np.random.get_state(), random.getstate())
-
-    def __exit__(self, *exc) -> None:
-        import numpy as np
-
-        torch.set_rng_state(self.states[0])
-        np.random.set_state(self.states[1])
-        random.setstate(self.states[2])
+    states = torch.get_rng_state(), np.random.get_state(), random.getstate()
+    try:
+        yield
+    finally:
+        torch.set_rng_state(states[0])
+        np.random.set_state(states[1])
+        random.setstate(states[2])
 
 
 # Warnings vLLM 0.32 logs on every start / reload here that say nothing is wrong:
@@ -440,27 +436,15 @@ BENIGN_VLLM_WARNINGS = {
 }
 
 
-class _DropMessage(logging.Filter):
-    def __init__(self, prefix: str) -> None:
-        super().__init__()
-        self.prefix = prefix
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return not str(record.msg % record.args if record.args else record.msg).startswith(
-            self.prefix
-        )
-
-
-class _quiet_benign_vllm_warnings:
-    """Context manager: drop BENIGN_VLLM_WARNINGS, let everything else through."""
-
-    def __enter__(self) -> None:
-        self.filters = [
-            (logging.getLogger(n), _DropMessage(m)) for n, m in BENIGN_VLLM_WARNINGS.items()
-        ]
-        for logger, f in self.filters:
-            logger.addFilter(f)
-
-    def __exit__(self, *exc) -> None:
-        for logger, f in self.filters:
+@contextlib.contextmanager
+def _quiet_benign_vllm_warnings() -> Iterator[None]:
+    """Drop BENIGN_VLLM_WARNINGS, let everything else through."""
+    filters = [(logging.getLogger(name), lambda r, p=prefix: not r.getMessage().startswith(p))
+               for name, prefix in BENIGN_VLLM_WARNINGS.items()]
+    for logger, f in filters:
+        logger.addFilter(f)
+    try:
+        yield
+    finally:
+        for logger, f in filters:
             logger.removeFilter(f)

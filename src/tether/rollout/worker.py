@@ -19,18 +19,15 @@ import signal
 import time
 import traceback
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
 from transformers import PreTrainedTokenizerBase
 
 from tether.config import Config
-from tether.models import load_model
 from tether.models.tokenizer import encode_exact
-from tether.rewards import build_reward_fn
 from tether.rollout.types import Generator, Rollout, SamplingParams
-from tether.tasks import task_from_config
+from tether.setup import build_generator, build_task_and_reward, load_policy, sampling_params
 from tether.tasks.base import Task
 from tether.weights.publisher import WeightSubscriber
 
@@ -80,15 +77,12 @@ class RolloutEngine:
     (tether.rollout.ray_backend) both wrap one."""
 
     def __init__(self, index: int, cfg: Config, model_path: str):
-        from tether.run import build_generator, resolve_device, sampling_params
-
         torch.set_num_threads(cfg.loop.worker_threads)
         self.index, self.partial = index, cfg.loop.partial
-        self.task = task_from_config(cfg.task)
-        self.reward_fn = build_reward_fn(cfg.reward.fn, cfg.reward.timeout, self.task)
-        model, self.tokenizer = load_model(model_path)
-        model = model.to(resolve_device(cfg.run.device))  # a Ray actor: the GPU it was given
-        self.generator = build_generator(cfg, model, Path(model_path), self.tokenizer)
+        self.task, self.reward_fn = build_task_and_reward(cfg)
+        # On `run.device`: a Ray actor's is the GPU it was given.
+        path, model, self.tokenizer = load_policy(cfg, model_path)
+        self.generator = build_generator(cfg, model, path, self.tokenizer)
         self.sampling = sampling_params(cfg, model.config.vocab_size)
 
     def make(self, item: WorkItem, idle_s: float, refresh: Any = None) -> BatchResult:

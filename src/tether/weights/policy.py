@@ -20,12 +20,10 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from tether.estimators.ess import ess_token
+from tether.estimators.presets import DEFAULT_SYNC_POLICY, PRESETS
 from tether.lazy import torch
 
 ON_TRIP = ("train", "regenerate")
-# Presets whose method includes a sync policy; `sync.policy: auto` picks it.
-PRESET_POLICIES = {"dlc": "ess:0.5", "dlc_clip": "ess:0.5"}
-DEFAULT_POLICY = "every:1"
 
 
 class SyncPolicy(Protocol):
@@ -42,6 +40,12 @@ class SyncPolicy(Protocol):
 
     def overdue(self, steps_since_resync: int) -> bool:
         """Whether so many steps passed since the last re-sync that one is forced now."""
+        ...
+
+    def publishes(self, behind: int, blocked: bool, tripped: bool) -> bool:
+        """The asynchronous loop, after a step: publish the trainer's weights now? `behind`:
+        versions since the last publish; `blocked`: no further rollout batch can be admitted
+        without one; `tripped`: the staleness gate tripped on the batch just trained."""
         ...
 
 
@@ -64,6 +68,9 @@ class EveryK:
 
     def overdue(self, steps_since_resync: int) -> bool:
         return False
+
+    def publishes(self, behind: int, blocked: bool, tripped: bool) -> bool:
+        return behind >= self.k
 
 
 @dataclass(frozen=True)
@@ -89,6 +96,9 @@ class BoundedK:
 
     def overdue(self, steps_since_resync: int) -> bool:
         return False
+
+    def publishes(self, behind: int, blocked: bool, tripped: bool) -> bool:
+        return blocked  # lazily: the generator runs up to K versions behind
 
 
 @dataclass(frozen=True)
@@ -116,13 +126,41 @@ class EssTrigger:
     def overdue(self, steps_since_resync: int) -> bool:
         return self.max_interval is not None and steps_since_resync >= self.max_interval
 
+    def publishes(self, behind: int, blocked: bool, tripped: bool) -> bool:
+        return blocked or tripped or self.overdue(behind)
 
-_FORMS = "every:K, bounded:K, ess:TAU[:max=M] (e.g. ess:0.5:max=8), auto"
+
+# The forms of a policy spec: (syntax, an example or "", what it does). The one statement of
+# the syntax: parse errors list the forms, config's `sync.policy` help is `describe_forms()`.
+FORMS = (
+    ("every:K", "", "after every K-th step"),
+    ("bounded:K", "", "only when it would otherwise be more than K versions behind"),
+    ("ess:TAU[:max=M]", "ess:0.5:max=8",
+     ("every step, lagged, plus a re-sync to the current weights when the token ESS of "
+      "pi_theta/pi_old on the incoming batch falls below TAU; max=M: also after M steps without one")),
+    ("auto", "", "the estimator preset's"),
+)
+_FORMS = ", ".join(f"{form} (e.g. {example})" if example else form for form, example, _ in FORMS)
+
+
+def describe_forms() -> str:
+    """Each form with what it does; `auto` names the presets' own policies (Preset.sync_policy)."""
+    own: dict[str, list[str]] = {}
+    for preset in PRESETS.values():
+        if preset.sync_policy != DEFAULT_SYNC_POLICY:
+            own.setdefault(preset.sync_policy, []).append(preset.name)
+    presets = "; ".join(f"{', '.join(names)} -> {spec}" for spec, names in own.items())
+    auto = f": {presets}, else {DEFAULT_SYNC_POLICY}"
+    return ", ".join(f"{form} ({meaning}{auto if form == 'auto' else ''})"
+                     for form, _, meaning in FORMS)
 
 
 def resolve_policy_spec(spec: str, estimator: str = "grpo") -> str:
-    """`auto` -> the estimator preset's policy (dlc, dlc_clip: ess:0.5) or every:1; others unchanged."""
-    return PRESET_POLICIES.get(estimator, DEFAULT_POLICY) if spec == "auto" else spec
+    """`auto` -> the estimator preset's `sync_policy` (not a preset: every:1); others unchanged."""
+    if spec != "auto":
+        return spec
+    preset = PRESETS.get(estimator)
+    return preset.sync_policy if preset else DEFAULT_SYNC_POLICY
 
 
 def _int(spec: str, text: str, what: str, lo: int) -> int:

@@ -1,8 +1,9 @@
 """Publishing weight versions to rollout engines: version v is published, engines load it.
 
-A published version is immutable: the publisher hands out a copy (the trainer goes on
-updating its own tensors), and an engine loads it whole, between batches or, under
-partial rollouts, between decode steps.
+A published version is immutable: publishing copies the weights out of the trainer's
+tensors (into the in-process engine's own, or into one shared buffer), so the trainer
+goes on updating its own, and an engine loads a version whole, between batches or,
+under partial rollouts, between decode steps.
 
 - `InProcessPublisher`: the engine lives in the trainer's process (the synchronous loop);
   publishing is `generator.load_weights`.

@@ -1,0 +1,88 @@
+"""The config schema: the sections together, the rules across them, and the keys a resumed
+run may change.
+"""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, Field, model_validator
+
+from tether.config.base import CrossFieldError, Node
+from tether.config.sections import (
+    RESUMABLE,
+    DiagnosticsConfig,
+    EvalConfig,
+    LogConfig,
+    LoopConfig,
+    ModelConfig,
+    RewardConfig,
+    RolloutConfig,
+    RunConfig,
+    SyncConfig,
+    TrainConfig,
+)
+from tether.config.task import CountdownTaskConfig, TaskConfig
+
+
+class Config(Node):
+    model: ModelConfig = ModelConfig()
+    task: TaskConfig = CountdownTaskConfig()
+    reward: RewardConfig = RewardConfig()
+    rollout: RolloutConfig = RolloutConfig()
+    train: TrainConfig = TrainConfig()
+    sync: SyncConfig = SyncConfig()
+    loop: LoopConfig = LoopConfig()
+    diagnostics: DiagnosticsConfig = Field(DiagnosticsConfig(), json_schema_extra=RESUMABLE)
+    log: LogConfig = Field(LogConfig(), json_schema_extra=RESUMABLE)
+    eval: EvalConfig = Field(EvalConfig(), json_schema_extra=RESUMABLE)
+    run: RunConfig = RunConfig()
+
+    @model_validator(mode="after")
+    def _cross_section(self) -> Config:
+        """Settings of different sections that conflict: CrossFieldError naming the keys."""
+        if self.rollout.group_size < 2 and self.train.adv_std_norm:
+            raise CrossFieldError(
+                ["rollout.group_size", "train.adv_std_norm"],
+                "rollout.group_size=1 with train.adv_std_norm=true: group-normalised advantages "
+                "need at least 2 responses per prompt; raise rollout.group_size"
+            )
+        batch = self.rollout.prompts_per_step * self.rollout.group_size
+        if batch % self.train.minibatches:
+            raise CrossFieldError(
+                ["train.minibatches", "rollout.prompts_per_step", "rollout.group_size"],
+                f"train.minibatches={self.train.minibatches} must divide the rollout batch "
+                f"(rollout.prompts_per_step * rollout.group_size = {batch})"
+            )
+        if batch // self.train.minibatches % self.train.world_size:
+            raise CrossFieldError(
+                ["train.world_size", "train.minibatches", "rollout.prompts_per_step",
+                 "rollout.group_size"],
+                f"train.world_size={self.train.world_size} must divide each mini-batch "
+                f"({batch // self.train.minibatches} sequences): every rank trains an equal shard"
+            )
+        if self.loop.mode == "async" and self.sync.lag:
+            raise CrossFieldError(
+                ["sync.lag", "loop.mode"],
+                f"sync.lag={self.sync.lag} with loop.mode=async: sync.lag simulates a stale "
+                "generator in the synchronous loop; in async mode staleness comes from the race, "
+                "bounded by loop.max_staleness: set sync.lag=0"
+            )
+        if self.loop.partial and self.rollout.engine != "hf":
+            raise CrossFieldError(
+                ["loop.partial", "rollout.engine"],
+                "loop.partial=true with rollout.engine=vllm: tether's in-process vLLM engine "
+                "cannot take new weights between decode steps of a running batch; use "
+                "rollout.engine=hf or loop.partial=false"
+            )
+        return self
+
+
+def resumable_keys(node: type[BaseModel] = Config, prefix: str = "") -> list[str]:
+    """The keys marked RESUMABLE, in schema order; a whole section ends in "."."""
+    keys = []
+    for name, field in node.model_fields.items():
+        section = isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel)
+        if (field.json_schema_extra or {}).get("resumable"):
+            keys.append(f"{prefix}{name}" + ("." if section else ""))
+        elif section:
+            keys += resumable_keys(field.annotation, f"{prefix}{name}.")
+    return keys

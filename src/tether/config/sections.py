@@ -1,0 +1,333 @@
+"""The config's sections but `task` (tether.config.task): one frozen model each, every key
+with its meaning; a rule that involves one section only is that section's validator.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, field_validator, model_validator
+
+from tether.config.base import CrossFieldError, Node
+from tether.defaults import (
+    EVAL_BATCH_SIZE,
+    GROUP_SIZE,
+    MAX_NEW_TOKENS,
+    MODEL_CACHE_DIR,
+    RARE_PROB,
+    TEMPERATURE,
+    WARMSTART_STEPS,
+)
+from tether.plugins import split_spec
+from tether.weights.policy import describe_forms
+
+EXACT_TOPK_MAX_VOCAB = 64  # a small vocabulary is centered over every token (K = V)
+DEFAULT_CENTERING_TOPK = 20  # else the top 20: vLLM's default max_logprobs
+
+# Field metadata of a key (or a whole section) that does not change a run's trajectory, so
+# a resumed run may override it (tether.config.resumable_keys). `run.threads` can change float
+# reduction order on some backends: keep it for a bit-identical continuation. An asynchronous
+# run has no bit-identical trajectory (the race decides which weights sample each batch), so
+# its number of rollout workers, and where they run, may change too.
+RESUMABLE = {"resumable": True}
+
+
+class ModelConfig(Node):
+    path: str | None = Field(
+        None,
+        description="Local Hugging Face causal-LM directory. Empty: tether's own tiny model, "
+        "built and warm-started on first use and cached under cache_dir.",
+    )
+    moe: bool = Field(False, description="Default model only: the Qwen3-MoE variant instead of dense.")
+    moe_experts: int = Field(
+        4, ge=2, description="Default MoE model only: experts per layer (each token goes to its top 2)."
+    )
+    moe_aux_loss: float = Field(
+        0.0, ge=0.0,
+        description="Default MoE model only: weight of the router load-balancing loss (Switch / "
+        "Qwen3-MoE `router_aux_loss_coef`) added in the warm start; 0: none. Balanced routers "
+        "make the experts specialise, so a token routed elsewhere moves further.",
+    )
+    seed: int = Field(0, description="Default model only: seed of its initialisation and warm-start.")
+    warmstart_steps: int = Field(
+        WARMSTART_STEPS, ge=0, description="Default model only: supervised steps on synthetic worked solutions."
+    )
+    cache_dir: str = Field(
+        MODEL_CACHE_DIR, description="Where built default models are cached."
+    )
+
+
+
+class RolloutConfig(Node):
+    engine: Literal["hf", "vllm"] = Field("hf", description="Rollout engine: hf (default) or vllm.")
+    precision: Literal["fp32", "bf16", "fp16", "fp8"] = Field(
+        "fp32", description="Generator numerics; the trainer stays fp32. fp8: weight-only e4m3."
+    )
+    router_noise: float = Field(
+        0.0, ge=0.0, description="MoE, hf engine: std of Gaussian noise the generator adds to its "
+        "router logits (routing disagreement at equal weights; docs/mismatch.md). 0: off.",
+    )
+    logit_noise: float = Field(
+        0.0, ge=0.0, description="hf engine: INJECTED mismatch, not a numerics model: scale s of "
+        "Student-t noise (logit_noise_dof degrees of freedom) the generator adds to every output "
+        "logit before sampling, so mu is a heavy-tailed perturbation of pi_old at equal weights "
+        "(a stand-in for a large MoE's eps, CIS Appendix A; docs/experiments.md, E-CIS). 0: off.",
+    )
+    logit_noise_dof: int = Field(
+        3, ge=1, description="Degrees of freedom of rollout.logit_noise's Student-t (1: Cauchy; "
+        "large: near Gaussian)."
+    )
+    logit_noise_outliers: float = Field(
+        0.0, ge=0.0, le=1.0, description="Share of logits, the outliers, whose injected noise "
+        "is drawn at rollout.logit_noise_outlier_scale instead (a scale mixture: the far tail of "
+        "rho = pi_old/mu that makes E[rho^2] large, which a Student-t sized to CIS's MAD lacks). "
+        "0: off.",
+    )
+    logit_noise_outlier_scale: float = Field(
+        3.0, gt=0.0, description="Student-t scale of the outlier logits' injected noise."
+    )
+    prompts_per_step: int = Field(32, ge=1, description="Prompts sampled per step.")
+    group_size: int = Field(GROUP_SIZE, ge=1, description="Responses per prompt (the GRPO group, G).")
+    temperature: float = Field(TEMPERATURE, ge=0.0, description="Sampling temperature (0: greedy).")
+    top_k: int = Field(0, ge=0, description="Top-k truncation (0: off).")
+    top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus truncation (1: off).")
+    max_new_tokens: int = Field(MAX_NEW_TOKENS, ge=1, description="Longest response, in tokens.")
+    logprobs_topk: int | None = Field(
+        None, ge=0,
+        description="Also record the generator's top-K log-probs (centering needs them). Empty: "
+        "what the estimator needs: 0, or for a centering preset (dlc) K = the vocabulary size "
+        f"when it is at most {EXACT_TOPK_MAX_VOCAB} (exact centering), else {DEFAULT_CENTERING_TOPK}.",
+    )
+
+    @model_validator(mode="after")
+    def _hf_only(self) -> RolloutConfig:
+        if self.router_noise > 0 and self.engine != "hf":
+            raise CrossFieldError(["rollout.router_noise", "rollout.engine"],
+                                  "rollout.router_noise perturbs the hf engine's MoE router: "
+                                  "set rollout.engine=hf")
+        if (self.logit_noise > 0 or self.logit_noise_outliers > 0) and self.engine != "hf":
+            raise CrossFieldError(["rollout.logit_noise", "rollout.engine"],
+                                  "rollout.logit_noise is injected by the hf engine's sampler: "
+                                  "set rollout.engine=hf, or rollout.logit_noise=0")
+        return self
+
+
+class TrainConfig(Node):
+    steps: int = Field(40, ge=0, json_schema_extra=RESUMABLE,
+        description="Rollout batches to train on.")
+    lr: float = Field(1e-4, gt=0.0, description="AdamW learning rate.")
+    weight_decay: float = Field(0.0, ge=0.0, description="AdamW weight decay.")
+    betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW betas.")
+    grad_clip: float = Field(1.0, gt=0.0, description="Clip the global gradient norm to this.")
+    micro_batch: int = Field(64, ge=1, description="Sequences per forward/backward (memory knob).")
+    minibatches: int = Field(
+        1, ge=1, description="Optimizer steps per rollout batch, on disjoint slices (VESPO's N)."
+    )
+    estimator: str = Field("grpo", description="Loss preset or objective+correction; `tether estimators` lists them.")
+    estimator_params: dict[str, bool | float | str] = Field(
+        default_factory=dict, description="Estimator keyword parameters, e.g. {cap: 2.0}."
+    )
+    adv_std_norm: bool = Field(
+        True, description="Divide group-centred rewards by the group's std (GRPO); false: Dr. GRPO."
+    )
+    max_bad_steps: int = Field(
+        5, ge=1, json_schema_extra=RESUMABLE,
+        description="Stop the run (with a checkpoint, exit code 3) after this many optimizer steps "
+        "in a row were skipped for a non-finite log-prob, advantage, loss or gradient norm.",
+    )
+    routing_replay: Literal["none", "r2", "r3"] = Field(
+        "none",
+        description="MoE routing replay (docs/mismatch.md). none: every forward's routers choose "
+        "their top-k. r3: the generator records each position's experts and the trainer's "
+        "logp_old and logp forwards use them (removes routing mismatch from the numerical "
+        "side). r2: the experts of the logp_old forward are replayed in the logp forwards "
+        "(routing cannot move with staleness). Gate weights always come from the trainer's "
+        "router, so it still learns. MoE models only.",
+    )
+    world_size: int = Field(
+        1, ge=1, json_schema_extra=RESUMABLE,
+        description="Data-parallel trainer ranks (processes on this machine, torch.distributed): "
+        "each trains on its shard of every mini-batch, with the whole mini-batch's loss and "
+        "gradient under the estimator's aggregation. See docs/distributed.md.",
+    )
+    precision: Literal["fp32", "bf16"] = Field(
+        "fp32",
+        description="The trainer's compute: fp32, or bf16 autocast over fp32 master weights "
+        "(matrix products in bf16; log-softmax, loss and optimizer in fp32). Every trainer "
+        "forward uses it, so pi_old is then the bf16 trainer's and the numerical part of the "
+        "mismatch is the generator against it (docs/performance.md).",
+    )
+    dist_backend: Literal["auto", "gloo", "nccl"] = Field(
+        "auto", json_schema_extra=RESUMABLE,
+        description="world_size > 1: torch.distributed backend. auto: nccl when the trainer's "
+        "weights are on a GPU, else gloo.",
+    )
+
+
+class SyncConfig(Node):
+    policy: str = Field(
+        "auto",
+        description=f"When the generator gets new weights: {describe_forms()}. See docs/mismatch.md.",
+    )
+    lag: int = Field(
+        0, ge=0,
+        description="Staleness source: a delivery hands the generator the weights of `lag` "
+        "versions ago (DLC's stale generator; 0: the current ones). ESS re-syncs bypass it.",
+    )
+    on_trip: Literal["train", "regenerate"] = Field(
+        "train",
+        description="ess policy: what happens to the batch whose ESS tripped the re-sync: "
+        "train (train on it, the estimator caps its weights; re-sync after the step) or "
+        "regenerate (re-sync now, drop it, sample the same prompts again).",
+    )
+
+
+class LoopConfig(Node):
+    mode: Literal["sync", "async"] = Field(
+        "sync",
+        description="sync: generate, then train, in turn (staleness only from sync.lag and "
+        "train.minibatches). async: rollout workers generate while the trainer trains; "
+        "staleness is what the race gives, bounded by max_staleness. See docs/async.md.",
+    )
+    workers: int = Field(
+        1, ge=1, json_schema_extra=RESUMABLE,
+        description="async: rollout workers (processes, or Ray actors with backend=ray), each "
+        "with its own engine.",
+    )
+    max_staleness: int = Field(
+        1, ge=0,
+        description="async: admission bound eta. A worker starts a batch only if its training "
+        "will start at most eta versions after the weights it samples with (AReaL's "
+        "max_head_offpolicyness); nothing is generated only to be thrown away.",
+    )
+    partial: bool = Field(
+        False,
+        description="async, hf engine: partial rollouts. A published version reaches a worker "
+        "between decode steps of its in-flight batch (the KV cache is recomputed); each token "
+        "records the version that sampled it, and pi_old is scored per token.",
+    )
+    worker_threads: int = Field(
+        1, ge=1, json_schema_extra=RESUMABLE,
+        description="async: torch CPU threads in each rollout worker.",
+    )
+    backend: Literal["local", "ray"] = Field(
+        "local", json_schema_extra=RESUMABLE,
+        description="async: where rollout workers run. local: processes on this machine, "
+        "weights through shared memory. ray: one Ray actor per worker, on this machine or a "
+        "cluster, weights through the Ray object store; a worker that dies is replaced and its "
+        "prompts issued again (pip install -e '.[ray]'). See docs/distributed.md.",
+    )
+    ray_address: str | None = Field(
+        None, json_schema_extra=RESUMABLE,
+        description="backend=ray: the cluster to join ('auto': the one this machine belongs "
+        "to, after `ray start`; or 'host:port'). None: start a local Ray with this machine's CPUs.",
+    )
+    worker_cpus: float = Field(
+        1.0, gt=0.0, json_schema_extra=RESUMABLE,
+        description="backend=ray: CPUs Ray reserves for each rollout worker actor.",
+    )
+    worker_gpus: float = Field(
+        0.0, ge=0.0, json_schema_extra=RESUMABLE,
+        description="backend=ray: GPUs Ray reserves for each rollout worker actor (fractions "
+        "share a GPU; 0: CPU engines).",
+    )
+
+    @model_validator(mode="after")
+    def _modes(self) -> LoopConfig:
+        if self.partial and self.mode != "async":
+            raise CrossFieldError(["loop.partial", "loop.mode"],
+                                  "loop.partial=true needs loop.mode=async (weights change "
+                                  "mid-batch only while generation and training overlap)")
+        if self.backend == "ray" and self.mode != "async":
+            raise CrossFieldError(["loop.backend", "loop.mode"],
+                                  "loop.backend=ray places the asynchronous loop's rollout "
+                                  "workers: set loop.mode=async (the synchronous loop has no workers)")
+        if self.backend == "ray" and self.partial:
+            raise CrossFieldError(["loop.partial", "loop.backend"],
+                                  "loop.partial=true with loop.backend=ray: a Ray actor loads new "
+                                  "weights between batches only; use loop.backend=local for "
+                                  "partial rollouts, or loop.partial=false")
+        return self
+
+
+class DiagnosticsConfig(Node):
+    monitor_every: int = Field(
+        10, ge=0,
+        description="Current-model monitor every M steps (0: off): sample from the trainer's "
+        "weights, score with the generator; KL and its share on rare tokens (monitor/*).",
+    )
+    monitor_prompts: int = Field(8, ge=1, description="Monitor: held-out prompts in the probe set.")
+    monitor_samples: int = Field(4, ge=1, description="Monitor: samples per probe prompt.")
+    rare_prob: float = Field(
+        RARE_PROB, gt=0.0, lt=1.0,
+        description="Monitor: a token is rare when the generator gives it probability below this.",
+    )
+    routing: bool = Field(
+        True, description="MoE models: measure routing disagreement every step (two no-grad forwards).",
+    )
+
+
+class LogConfig(Node):
+    tensorboard: bool = Field(False, description="Also write metrics to TensorBoard (RUN_DIR/tb).")
+    wandb: bool = Field(False, description="Also write metrics to Weights & Biases (RUN_DIR/wandb).")
+    wandb_project: str = Field("tether", description="Weights & Biases project name.")
+    wandb_mode: Literal["offline", "online"] = Field(
+        "offline", description="offline: no network, `wandb sync RUN_DIR/wandb/offline-run-*` later.",
+    )
+
+
+class RewardConfig(Node):
+    fn: str | None = Field(
+        None,
+        description="Your own reward instead of the task's: 'package.module:function' or "
+        "'path/to/file.py:function', called as fn(problem, response) -> float or Reward. "
+        "Held-out accuracy stays the task's. See docs/reliability.md.",
+    )
+    timeout: float = Field(
+        5.0, gt=0.0, json_schema_extra=RESUMABLE,
+        description="Seconds one call of reward.fn may take; a slower or failing call scores 0 "
+        "and is counted in reward/errors (the run goes on).",
+    )
+
+    @field_validator("fn")
+    @classmethod
+    def _spec(cls, fn: str | None) -> str | None:
+        if fn is not None:
+            split_spec(fn, kind="function")
+        return fn
+
+
+class EvalConfig(Node):
+    every: int = Field(10, ge=0, description="Greedy held-out accuracy every E steps (0: start and end only).")
+    batch_size: int = Field(EVAL_BATCH_SIZE, ge=1, description="Prompts per evaluation forward.")
+    samples: int = Field(
+        4, ge=0, description="Also held-out accuracy sampled like the rollouts: samples per "
+        "problem (0: greedy only).",
+    )
+    seed: int | None = Field(
+        None, description="Seed of the sampled evaluation's draws. Empty: run.seed + 7919, each "
+        "run its own draws. Set, runs of different seeds share them (common random numbers): "
+        "equal weights score equally, so the spread across seeds is the policies', not the draws'.",
+    )
+
+
+class RunConfig(Node):
+    dir: str | None = Field(None, description="Run directory. Empty: runs/<time>-<estimator>.")
+    seed: int = Field(0, description="Seed of sampling and training.")
+    threads: int = Field(0, ge=0, json_schema_extra=RESUMABLE,
+        description="torch CPU threads (0: torch's default).")
+    device: str = Field(
+        "auto", pattern=r"^(auto|cpu|cuda(:\d+)?)$",
+        description="Where the trainer's weights and the hf engine run: auto (cuda if torch sees "
+        "a GPU, else cpu), cpu, cuda or cuda:N. vLLM picks its own device. Apple's mps is not "
+        "offered: it has no float64, which the mismatch diagnostics need.",
+    )
+    progress: bool = Field(True, json_schema_extra=RESUMABLE,
+        description="Show a progress bar.")
+    checkpoint_every: int = Field(
+        10, ge=0, json_schema_extra=RESUMABLE,
+        description="Checkpoint (RUN_DIR/checkpoints) every K steps, and always after the last "
+        "step and before any stop (0: only then). `tether train --resume RUN_DIR` continues.",
+    )
+    keep_checkpoints: int = Field(2, ge=1, json_schema_extra=RESUMABLE,
+        description="How many of the newest checkpoints to keep.")

@@ -1,0 +1,127 @@
+"""What every process of a run builds from its config, written once.
+
+The driver (tether.run), the rollout workers (tether.rollout.worker), the data-parallel
+trainer ranks (tether.distributed) and `tether probe` each build the parts they need:
+
+    seed_process           torch's seed and thread count (the driver and the probe)
+    build_task_and_reward  the task and the reward function
+    load_policy            the model on `run.device` and its tokenizer
+    sampling_params        how the generator samples from it
+    build_generator        the rollout engine `rollout.engine` names, holding the model's weights
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+from tether.config import Config, RolloutConfig, resolve_logprobs_topk
+from tether.errors import InputError
+from tether.models import ensure_default_model, load_model
+from tether.models.routing import is_moe, routers
+from tether.rewards import build_reward_fn
+from tether.rollout.hf import HFGenerator
+from tether.rollout.types import Generator, SamplingParams
+from tether.tasks import task_from_config
+from tether.tasks.base import Task
+
+
+def seed_process(cfg: Config) -> None:
+    """Seed torch with `run.seed` and use `run.threads` threads (0: torch's default)."""
+    torch.manual_seed(cfg.run.seed)
+    if cfg.run.threads:
+        torch.set_num_threads(cfg.run.threads)
+
+
+def sampling_seed(cfg: Config, index: int) -> int:
+    """The generator's seed for the `index`-th rollout batch of a run (a step, an async slot,
+    or a batch of `tether probe`)."""
+    return cfg.run.seed * 1_000_003 + index
+
+
+def build_task_and_reward(cfg: Config) -> tuple[Task, Any]:
+    """The task and the reward function ((problem, response text) -> Reward)."""
+    task = task_from_config(cfg.task)
+    return task, build_reward_fn(cfg.reward.fn, cfg.reward.timeout, task)
+
+
+def load_policy(cfg: Config, model_path: str | Path | None = None,
+                ) -> tuple[Path, PreTrainedModel, PreTrainedTokenizerBase]:
+    """The model directory (`model_path`, else `resolve_model_path`), its fp32 model on
+    `run.device`, and its tokenizer. How to sample from it: `sampling_params`."""
+    path = Path(model_path) if model_path is not None else resolve_model_path(cfg)
+    device = resolve_device(cfg.run.device)
+    model, tokenizer = load_model(path)
+    return path, model.to(device), tokenizer
+
+
+def resolve_model_path(cfg: Config) -> Path:
+    """`model.path`, or tether's own tiny model (built and cached on first use)."""
+    if cfg.model.path:
+        return Path(cfg.model.path).expanduser()
+    return ensure_default_model(cfg.model.cache_dir, cfg.model.moe, cfg.model.seed,
+                                cfg.model.warmstart_steps, cfg.task.model_dump(),
+                                moe_experts=cfg.model.moe_experts,
+                                moe_aux_loss=cfg.model.moe_aux_loss)
+
+
+def resolve_device(name: str) -> torch.device:
+    """`run.device`: auto is the first GPU torch sees, else the CPU; a GPU it cannot see fails."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(name)
+    if device.type == "cuda" and not (torch.cuda.is_available()
+                                      and (device.index or 0) < torch.cuda.device_count()):
+        raise InputError(f"run.device={name}: torch sees {torch.cuda.device_count()} CUDA "
+                         "device(s) here; set run.device=auto or cpu")
+    return device
+
+
+def sampling_params(cfg: Config, vocab_size: int) -> SamplingParams:
+    """How the generator samples; `rollout.logprobs_topk` resolved for a vocabulary of `vocab_size`."""
+    r = cfg.rollout
+    return SamplingParams(n=r.group_size, temperature=r.temperature, top_k=r.top_k,
+                          top_p=r.top_p, max_new_tokens=r.max_new_tokens,
+                          logprobs_topk=resolve_logprobs_topk(cfg, vocab_size))
+
+
+def check_routing_replay(replay: str, model: PreTrainedModel) -> None:
+    """train.routing_replay needs a MoE model whose routers tether can patch."""
+    if replay == "none":
+        return
+    if not is_moe(model):
+        raise InputError(f"train.routing_replay={replay}: {type(model).__name__} is not a "
+                         "mixture-of-experts model (no routers to replay); set "
+                         "train.routing_replay=none, or model.moe=true for tether's own model")
+    try:
+        routers(model)
+    except ValueError as e:
+        raise InputError(f"train.routing_replay={replay}: {e}") from None
+
+
+def build_generator(cfg: Config, model: PreTrainedModel, model_path: Path,
+                    tokenizer: PreTrainedTokenizerBase) -> Generator:
+    """The rollout engine `rollout.engine` names, holding `model`'s weights as version 0."""
+    r = cfg.rollout
+    record = cfg.train.routing_replay == "r3"  # R3 replays the generator's routing
+    if r.engine == "vllm":
+        from tether.rollout.vllm_engine import VLLMGenerator  # an optional dependency
+
+        generator = VLLMGenerator(model_path, r.precision, eos_token_id=tokenizer.eos_token_id,
+                                  max_logprobs=max(20, resolve_logprobs_topk(cfg, model.config.vocab_size)),
+                                  record_routes=record)
+        generator.load_weights(model.state_dict(), version=0)
+        return generator
+    return HFGenerator(model, tokenizer.eos_token_id, tokenizer.pad_token_id, r.precision,
+                       r.router_noise, record_routes=record, logit_noise=logit_noise(r))
+
+
+def logit_noise(r: RolloutConfig) -> tuple[float, int, float, float] | None:
+    """HFGenerator's `logit_noise` from a RolloutConfig: (scale, dof, outlier share, outlier
+    scale), or None when off."""
+    if r.logit_noise == 0 and r.logit_noise_outliers == 0:
+        return None
+    return r.logit_noise, r.logit_noise_dof, r.logit_noise_outliers, r.logit_noise_outlier_scale

@@ -1,0 +1,222 @@
+"""Token scoring: the log-probs the trainer gives the sampled tokens.
+
+Every trainer forward goes through `decode` (and `score_tokens` on top of it), which
+replays the batch's MoE routing when it carries one (`RolloutTensors.routed_experts`:
+R3, the generator's; R2, the `logp_old` forward's; tether.models.routing). The sampled
+tokens are scored under the same processed distribution the engines sample from
+(tether.rollout.sampling.process_logits). `train.precision=bf16` runs the forwards under
+bf16 autocast (`autocast`), the fp32 master weights untouched.
+"""
+
+from __future__ import annotations
+
+from contextlib import AbstractContextManager
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+from transformers import DynamicCache, PreTrainedModel
+
+from tether.models.routing import pad_routes, route
+from tether.rollout.sampling import distinct_prompts, process_logits
+from tether.rollout.types import SamplingParams
+from tether.trainer.batch import RolloutTensors
+
+LOGP_FLOOR = -1e4  # a token outside the trainer's top-k/top-p set has logp -inf; keep it finite
+
+
+def autocast(device: torch.device, precision: str) -> AbstractContextManager:
+    """The trainer's numerics (`train.precision`): bf16 autocast on `device`, or fp32 (a no-op)."""
+    return torch.autocast(device.type, dtype=torch.bfloat16, enabled=precision == "bf16")
+
+
+
+
+def decode(
+    model: PreTrainedModel, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+    routed_experts: torch.Tensor | None = None, record: bool = False, prompt_len: int = 0,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The trainer's one forward, up to the output embedding: hidden states (B, L, H) of
+    left-padded rows, and with `record` the experts each MoE layer chose (B, L, layers, k)
+    (None for a dense model).
+
+    `routed_experts` (B, L, layers, k): replay these experts instead of the routers' top-k,
+    gate weights from the model's own router logits (tether.models.routing). The output
+    embedding is applied by the caller, to the positions it needs (`score_tokens`: only
+    the sampled tokens', a chunk at a time). `prompt_len` > 0: the first `prompt_len`
+    columns are prompts, which rows may share (`decode_shared_prompts`).
+    """
+    position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
+    if 0 < prompt_len < input_ids.shape[1] and routed_experts is None and not record:
+        hidden = decode_shared_prompts(model, input_ids, attention_mask, position_ids, prompt_len)
+        if hidden is not None:
+            return hidden, None
+    with route(model, routed_experts, record) as routes:
+        hidden = model.get_decoder()(input_ids=input_ids, attention_mask=attention_mask,
+                                     position_ids=position_ids).last_hidden_state
+        experts = routes.pop(tuple(input_ids.shape)) if routes is not None else None
+    return hidden, experts
+
+
+# Responses run in buckets of about this many rows of similar length, each cut to its own
+# longest response: a batch's responses end at different lengths (eos), and a dense
+# (rows, longest) forward would spend the difference on padding.
+BUCKET_ROWS = 32
+
+
+def decode_shared_prompts(
+    model: PreTrainedModel, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+    position_ids: torch.Tensor, prompt_len: int,
+) -> torch.Tensor | None:
+    """`decode` of left-padded prompts then right-padded responses, with less compute:
+
+    - each distinct prompt runs once (a group's G responses share it); its keys and
+      values are indexed out to the rows that continue it, whose backward sums their
+      gradients into it;
+    - the responses run in buckets of `BUCKET_ROWS` rows sorted by length, each bucket
+      only as long as its longest response.
+
+    The same function as the plain forward, up to float summation order: hidden states
+    (B, L, H), zero at the response padding no bucket computed. None when it saves
+    nothing (every prompt distinct and every response as long as the longest).
+    """
+    B, L = input_ids.shape
+    P = prompt_len
+    ids, mask, inverse = distinct_prompts(input_ids[:, :P], attention_mask[:, :P])
+    lengths = attention_mask[:, P:].sum(dim=1)
+    if ids.shape[0] == B and bool((lengths == L - P).all()):
+        return None
+    decoder = model.get_decoder()
+    cache = DynamicCache()
+    prompts = decoder(input_ids=ids, attention_mask=mask,
+                      position_ids=(mask.cumsum(-1) - 1).clamp(min=0),
+                      past_key_values=cache, use_cache=True).last_hidden_state  # (U, P, H)
+    kv = [(layer.keys, layer.values) for layer in cache.layers]  # (U, heads, P, d) each
+    order = lengths.argsort(stable=True)
+    parts = []
+    for rows in order.split(BUCKET_ROWS):
+        t = int(lengths[rows].max())
+        bucket, prompt_of = DynamicCache(), inverse[rows]
+        for i, (k, v) in enumerate(kv):
+            bucket.update(k[prompt_of], v[prompt_of], i)
+        h = decoder(input_ids=input_ids[rows, P:P + t], attention_mask=attention_mask[rows, :P + t],
+                    position_ids=position_ids[rows, P:P + t], past_key_values=bucket,
+                    use_cache=True).last_hidden_state  # (rows, t, H)
+        parts.append(torch.nn.functional.pad(h, (0, 0, 0, L - P - t)))
+    responses = torch.cat(parts)[order.argsort()]  # back to the batch's row order
+    return torch.cat([prompts[inverse], responses], dim=1)
+
+
+def forward(
+    model: PreTrainedModel, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+    routed_experts: torch.Tensor | None = None, record: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """`decode` plus the output embedding at every position: logits (B, L, V) (for analyses
+    that need the whole distribution; training never builds this tensor)."""
+    hidden, experts = decode(model, input_ids, attention_mask, routed_experts, record)
+    return model.get_output_embeddings()(hidden), experts
+
+
+@dataclass
+class Scores:
+    """What a trainer forward says about a batch's sampled tokens."""
+
+    logp: torch.Tensor  # (B, T), 0 on padding
+    topk: torch.Tensor | None  # (B, T, K) at the batch's top-K ids, when it has them
+    experts: torch.Tensor | None  # (B, P+T, layers, k) the MoE experts used, when recorded
+
+
+# Logits of at most this many elements exist at once (64 MiB in fp32): the output embedding
+# runs on chunks of tokens, so a 152k vocabulary never materialises (tokens, V) in full.
+LOGIT_CHUNK_ELEMENTS = 1 << 24
+
+
+def score_tokens(model: PreTrainedModel, batch: RolloutTensors, sampling: SamplingParams,
+                 record: bool = False, precision: str = "fp32") -> Scores:
+    """Log-probs of the sampled tokens and of the top-K ids under `model`, replaying
+    `batch.routed_experts` when set; `record`: also the experts its MoE layers used.
+    `precision`: the trainer's numerics (`autocast`); the log-softmax is fp32 either way.
+
+    Costs nothing on padding: columns that are padding in every row are cut before the
+    forward, and the output embedding runs only on the sampled tokens' positions, in
+    chunks (`sampled_logprobs`). Differentiable when called with grad enabled.
+    """
+    B, T = batch.response_ids.shape
+    P = batch.prompt_len
+    cols = batch.attention_mask.any(dim=0).nonzero()
+    lo, hi = int(cols[0]), int(cols[-1]) + 1  # the micro-batch's non-padding columns
+    routed = None if batch.routed_experts is None else batch.routed_experts[:, lo:hi]
+    with autocast(batch.input_ids.device, precision):
+        hidden, experts = decode(model, batch.input_ids[:, lo:hi], batch.attention_mask[:, lo:hi],
+                                 routed, record, prompt_len=P - lo)
+    if experts is not None:  # back to the batch's width, padding routed as `pad_routes`
+        full = pad_routes(B, P + T, *experts.shape[2:], experts.dtype)
+        full[:, lo:hi] = experts
+        experts = full
+    n = hi - P  # response positions that hold a token in some row
+    valid = batch.response_mask[:, :n].bool()
+    h = hidden[:, P - 1 - lo:hi - 1 - lo][valid]  # (N, H): position P+t-1 predicts token t
+    topk_ids = None if batch.topk_ids is None else batch.topk_ids[:, :n][valid]
+    with autocast(batch.input_ids.device, precision):
+        lp, tk = sampled_logprobs(model.get_output_embeddings(), h,
+                                  batch.response_ids[:, :n][valid], topk_ids, sampling)
+    logp = lp.new_zeros(B, T)
+    logp[:, :n][valid] = lp
+    topk = None
+    if tk is not None:
+        topk = tk.new_zeros(B, T, tk.shape[-1])
+        topk[:, :n][valid] = tk
+    return Scores(logp, topk, experts)
+
+
+def sampled_logprobs(head: nn.Module, hidden: torch.Tensor, ids: torch.Tensor,
+                     topk_ids: torch.Tensor | None, sampling: SamplingParams,
+                     ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """log p(ids) (N,) and log p(topk_ids) (N, K) under the processed distribution
+    (`process_logits`: temperature, top-k, top-p) of logits = head(hidden), (N, H).
+
+    The logits exist a chunk of tokens at a time (`LOGIT_CHUNK_ELEMENTS`); with grad and
+    more than one chunk, each chunk's logits are recomputed in the backward pass instead
+    of kept, so memory stays at one chunk's whatever the vocabulary.
+    """
+    rows = max(1, LOGIT_CHUNK_ELEMENTS // head.weight.shape[0])
+
+    def chunk(h: torch.Tensor, y: torch.Tensor, k: torch.Tensor | None):
+        logp_all = process_logits(head(h), sampling.temperature, sampling.top_k, sampling.top_p)
+        logp_all = logp_all.clamp(min=LOGP_FLOOR)
+        return logp_all.gather(-1, y[:, None]).squeeze(-1), None if k is None else logp_all.gather(-1, k)
+
+    if hidden.shape[0] <= rows:
+        return chunk(hidden, ids, topk_ids)
+    parts = []
+    for i in range(0, hidden.shape[0], rows):
+        args = (hidden[i:i + rows], ids[i:i + rows], None if topk_ids is None else topk_ids[i:i + rows])
+        parts.append(checkpoint(chunk, *args, use_reentrant=False) if torch.is_grad_enabled()
+                     else chunk(*args))
+    return (torch.cat([p[0] for p in parts]),
+            None if topk_ids is None else torch.cat([p[1] for p in parts]))
+
+
+@torch.no_grad()
+def score_batch(model: PreTrainedModel, batch: RolloutTensors, sampling: SamplingParams,
+                micro_batch: int, record: bool = False, precision: str = "fp32") -> Scores:
+    """`score_tokens` over `micro_batch` rows at a time, without grad, in eval mode."""
+    model.eval()
+    parts = [score_tokens(model, batch.select(slice(i, i + micro_batch)), sampling, record,
+                          precision)
+             for i in range(0, batch.input_ids.shape[0], micro_batch)]
+
+    def cat(name: str) -> torch.Tensor | None:
+        values = [getattr(p, name) for p in parts]
+        return None if values[0] is None else torch.cat(values)
+
+    return Scores(cat("logp"), cat("topk"), cat("experts"))
+
+
+def token_logprobs(
+    model: PreTrainedModel, batch: RolloutTensors, sampling: SamplingParams, precision: str = "fp32",
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(logp (B, T), top-K logp (B, T, K) or None) of `score_tokens`. Padding positions hold 0."""
+    scores = score_tokens(model, batch, sampling, precision=precision)
+    return scores.logp, scores.topk
