@@ -208,15 +208,18 @@ def test_ess_policy_trips_exactly_below_the_threshold(stale_batch):
     gate_above = StalenessGate(EssTrigger(math.nextafter(ess, 1.0)), "train")  # one float above: trips
     # on_trip=train: the batch is trained on; its ESS is read off the training forward,
     # whose logp at version 2 (before this step's update) equals the no-grad one exactly.
-    def score_now(batch):
-        raise AssertionError("on_trip=train reads the ESS off the training forward")
+    class NoScoring:  # the trainer, refusing to score: nothing but the training forward is read
+        version, model = trainer.version, None
 
-    assert gate_at.before(batch, logp_old, trainer.version, score_now) is False
-    assert gate_above.before(batch, logp_old, trainer.version, score_now) is False
+        def score_old(self, batch, model):
+            raise AssertionError("on_trip=train reads the ESS off the training forward")
+
+    assert gate_at.before(batch, logp_old, NoScoring()) is False
+    assert gate_above.before(batch, logp_old, NoScoring()) is False
     _, logp = trainer.train_on(batch, adv, logp_old, topk)
     assert trainer.version == 3
-    m_at = after_step(at, trainer, 2, gate_at.after(logp, score_now)) | gate_at.metrics()
-    m_above = after_step(above, trainer, 2, gate_above.after(logp, score_now)) | gate_above.metrics()
+    m_at = after_step(at, trainer, 2, gate_at.after(logp, NoScoring())) | gate_at.metrics()
+    m_above = after_step(above, trainer, 2, gate_above.after(logp, NoScoring())) | gate_above.metrics()
     assert m_at["sync/ess/token"] == m_above["sync/ess/token"] == ess
     assert (m_at["sync/tripped"], m_at["sync/synced"]) == (0.0, 0.0)
     assert at.generator_version == 0  # the lag (8) delivers nothing either
@@ -230,11 +233,10 @@ def test_ess_policy_trips_exactly_below_the_threshold(stale_batch):
 def test_regenerate_resyncs_before_training(stale_batch):
     trainer, (_, _, regen), batch, (_, logp_old, _), _ = stale_batch
     gate = StalenessGate(EssTrigger(1.0), "regenerate")  # any staleness trips
-    score_now = lambda b: trainer.score_old(b, trainer.model)[0]
-    assert gate.before(batch, logp_old, trainer.version, score_now) is True  # drop the batch
+    assert gate.before(batch, logp_old, trainer) is True  # drop the batch
     regen.resync(trainer.version, trainer.model.state_dict())  # the loop syncs, then regenerates
     assert regen.generator_version == trainer.version > 0
-    assert gate.after(None, score_now) is False  # decided before training
+    assert gate.after(None, trainer) is False  # decided before training
     m = after_step(regen, trainer, 2) | gate.metrics()
     assert (m["sync/regenerated"], m["sync/synced"]) == (1.0, 1.0)
     assert m["sync/ess/token"] < 1.0 and m["sync/tripped"] == 1.0
@@ -270,11 +272,11 @@ def test_on_trip_train_measures_the_first_minibatch_only():
                             token_versions=torch.zeros(4, 3, dtype=torch.long))
     logp_old = torch.zeros(4, 3)
     logp = torch.tensor([[0.0] * 3, [0.0] * 3, [9.0] * 3, [-9.0] * 3])
-    assert gate.before(batch, logp_old, trainer.version, lambda b: None) is False
-    m = after_step(sync, trainer, 0, gate.after(logp, lambda b: None)) | gate.metrics()
+    assert gate.before(batch, logp_old, trainer) is False
+    m = after_step(sync, trainer, 0, gate.after(logp, trainer)) | gate.metrics()
     assert (m["sync/ess/token"], m["sync/tripped"]) == (1.0, 0.0)
     gate.minibatches = 1  # the whole batch: e^9 dominates, ESS ~ 1/4 -> trips
-    gate.before(batch, logp_old, trainer.version, lambda b: None)
-    m = after_step(sync, trainer, 1, gate.after(logp, lambda b: None)) | gate.metrics()
+    gate.before(batch, logp_old, trainer)
+    m = after_step(sync, trainer, 1, gate.after(logp, trainer)) | gate.metrics()
     assert m["sync/ess/token"] == pytest.approx(0.25, abs=1e-3) and m["sync/tripped"] == 1.0
     assert gen.version == trainer.version == 1

@@ -2,12 +2,12 @@
 mini-batch, with the loss and gradient of the whole mini-batch.
 
 Rank 0 is the driver's own `Trainer` (it scores pi_old, logs, publishes and checkpoints as
-with one process), handed `TrainerRanks` as its collective; ranks 1..N-1 are processes (`torch.multiprocessing`, spawn) holding a
-copy of the model (placed with `run.device`, tether.setup) and optimizer, each handed a
-`RankView`, fed each step's batch through a queue. They meet in
-torch.distributed (`train.dist_backend`: gloo on CPU; nccl where the trainer's weights are
-on a GPU). Every rank starts from rank 0's state and applies the same summed gradient
-with the same optimizer, so the copies stay equal.
+with one process), handed `TrainerRanks` as its collective; ranks 1..N-1 are processes
+(`torch.multiprocessing`, spawn) holding a copy of the model (placed with `run.device`,
+tether.setup) and optimizer, each handed a `RankView`, fed each step's batch through a
+queue. They meet in torch.distributed (`train.dist_backend`: gloo on CPU; nccl where the
+trainer's weights are on a GPU). Every rank starts from rank 0's state and applies the
+same summed gradient with the same optimizer, so the copies stay equal.
 
 The whole batch's gradient, not the mean of the ranks' (tether.trainer.core.Trainer._step):
 each rank scales its loss by its share of the mini-batch under the estimator's

@@ -81,7 +81,7 @@ def resolve_device(name: str) -> torch.device:
 
 
 def sampling_params(cfg: Config, vocab_size: int) -> SamplingParams:
-    """How the generator samples; `rollout.logprobs_topk` resolved for a vocabulary of `vocab_size`."""
+    """How the generator samples; `rollout.logprobs_topk` resolved for `vocab_size` tokens."""
     r = cfg.rollout
     return SamplingParams(n=r.group_size, temperature=r.temperature, top_k=r.top_k,
                           top_p=r.top_p, max_new_tokens=r.max_new_tokens,
@@ -110,9 +110,9 @@ def build_generator(cfg: Config, model: PreTrainedModel, model_path: Path,
     if r.engine == "vllm":
         from tether.rollout.vllm_engine import VLLMGenerator  # an optional dependency
 
+        topk = resolve_logprobs_topk(cfg, model.config.vocab_size)
         generator = VLLMGenerator(model_path, r.precision, eos_token_id=tokenizer.eos_token_id,
-                                  max_logprobs=max(20, resolve_logprobs_topk(cfg, model.config.vocab_size)),
-                                  record_routes=record)
+                                  max_logprobs=max(20, topk), record_routes=record)
         generator.load_weights(model.state_dict(), version=0)
         return generator
     return HFGenerator(model, tokenizer.eos_token_id, tokenizer.pad_token_id, r.precision,

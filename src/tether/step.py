@@ -34,6 +34,7 @@ from tether.monitor import current_model_monitor
 from tether.rollout.types import Rollout, SamplingParams
 from tether.tasks.base import is_correct
 from tether.trainer import RolloutTensors, Trainer, group_advantages, mean_metrics, score_batch
+from tether.weights.snapshots import SnapshotStore
 
 log = logging.getLogger("tether.diagnostics")
 
@@ -95,12 +96,14 @@ class OldLogprobs:
 
 
 def old_logprobs(trainer: Trainer, batch: RolloutTensors,
-                 model_at: ModelAt) -> tuple[OldLogprobs, RolloutTensors]:
+                 snapshots: SnapshotStore) -> tuple[OldLogprobs, RolloutTensors]:
     """pi_old of `batch` and the batch the training forwards are to score (`score_old`):
-    scored at the versions that sampled each token, or left to the training forward when
-    that gives the same numbers without a forward of its own."""
+    scored at the versions that sampled each token (the trainer's own weights for its
+    current version, else the kept snapshot), or left to the training forward when that
+    gives the same numbers without a forward of its own."""
     if reuses_training_forward(trainer, batch):
         return OldLogprobs(None, None), batch
+    model_at = lambda v: trainer.model if v == trainer.version else snapshots.model_at(v)
     logp, topk, batch = score_old(trainer, batch, model_at)
     return OldLogprobs(logp, topk), batch
 

@@ -19,6 +19,7 @@ from tether.estimators import (
     presets_rows,
 )
 from tether.estimators.ppo import ppo
+from tether.estimators.registry import OneOf, Positive
 
 EXPECTED_PRESETS = {
     "naive", "grpo", "tis", "seq_tis", "mis", "icepop", "seq_mis", "geo_mis",
@@ -143,6 +144,22 @@ def test_registries_refuse_duplicate_names_and_unknown_aggregations() -> None:
         registry.add("a", ppo, corrects="staleness", level="token", formula="", source="")
     with pytest.raises(ValueError, match="agg must be one of"):
         registry.add("b", ppo, corrects="staleness", level="token", formula="", source="", agg="x")
+
+
+def test_allowed_values_come_from_the_signature_types() -> None:
+    assert CORRECTIONS.get("cis").rules["kappa"].allowed == "in [0, 1]"
+    with pytest.raises(ValueError, match=r"parameter 'kappa' must be in \[0, 1\], got 2"):
+        build_estimator("cis", kappa=2)
+
+    def thing(logp, mask, *, width: Positive = 1.0, free: float = 0.0, mode: str = "a",
+              on: bool = False):
+        raise NotImplementedError
+
+    rules = Registry("thing").add("t", thing, corrects="neither", level="token", formula="",
+                                  source="").rules
+    assert set(rules) == {"width", "on"} and rules["on"] is bool  # free and mode: unchecked
+    assert not rules["width"].test(0.0) and rules["width"].test(float("inf"))  # inf: no cap
+    assert OBJECTIVES.get("vespo").rules["length_norm"] == OneOf(("none", "T", "sqrtT"))
 
 
 def test_only_an_estimator_that_reads_logp_prox_needs_it() -> None:

@@ -17,11 +17,11 @@ a far smaller second moment on confident ones. Shapes (B, T).
 from __future__ import annotations
 
 from tether.estimators.base import CorrectionTerms, clamp_log_ratio
-from tether.estimators.registry import CORRECTIONS
+from tether.estimators.registry import CORRECTIONS, NonNegative, UnitInterval
 from tether.lazy import torch
 
 
-def cis_cap(logp_old: torch.Tensor, *, lam: float = 2.3, kappa: float = 5e-3) -> torch.Tensor:
+def cis_cap(logp_old: torch.Tensor, *, lam: NonNegative = 2.3, kappa: UnitInterval = 5e-3) -> torch.Tensor:
     """1 + lam * max(1 - pi_old(y), kappa), elementwise."""
     return 1.0 + lam * (1.0 - logp_old.exp()).clamp(min=kappa)
 
@@ -38,8 +38,8 @@ def cis(
     logp_rollout: torch.Tensor,
     mask: torch.Tensor,
     *,
-    lam: float = 2.3,
-    kappa: float = 5e-3,
+    lam: NonNegative = 2.3,
+    kappa: UnitInterval = 5e-3,
 ) -> CorrectionTerms:
     log_rho = logp_old - logp_rollout  # (B, T)
     log_rho = torch.where(torch.isfinite(log_rho), log_rho, torch.zeros_like(log_rho))

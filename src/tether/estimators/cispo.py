@@ -20,7 +20,7 @@ Aggregation: token-mean, eq. 4's 1 / sum_i |o_i|. Shapes (B, T).
 from __future__ import annotations
 
 from tether.estimators.base import ObjectiveTerms, clamp_log_ratio
-from tether.estimators.registry import OBJECTIVES
+from tether.estimators.registry import OBJECTIVES, ClipLow, NonNegative
 from tether.lazy import torch
 
 
@@ -37,8 +37,8 @@ def cispo(
     advantages: torch.Tensor,
     mask: torch.Tensor,
     *,
-    clip_low: float = 1.0,
-    clip_high: float = 4.0,
+    clip_low: ClipLow = 1.0,
+    clip_high: NonNegative = 4.0,
 ) -> ObjectiveTerms:
     r = clamp_log_ratio(logp.detach() - logp_old).exp()  # (B, T) unclipped, detached
     w = r.clamp(1.0 - clip_low, 1.0 + clip_high)

@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any
 
-from tether.estimators.base import LossOutput, TokenBatch, aggregate
+from tether.estimators.base import AGGREGATIONS, LossOutput, TokenBatch, aggregate
 from tether.estimators.centering import center_term
 from tether.estimators.metrics import (
     applied_metrics,
@@ -21,7 +21,7 @@ from tether.estimators.metrics import (
     to_floats,
 )
 from tether.estimators.presets import PRESETS
-from tether.estimators.registry import CORRECTIONS, OBJECTIVES, Entry, check_params
+from tether.estimators.registry import CORRECTIONS, OBJECTIVES, Entry, OneOf, check_params
 from tether.lazy import torch
 
 
@@ -218,7 +218,8 @@ def build_estimator(
             f"unknown parameter(s) {', '.join(map(repr, unknown))} for estimator {name!r}; "
             f"valid: {', '.join(sorted(defaults))}"
         )
-    resolved = check_params({**defaults, **params})
+    rules = {**obj.rules, **corr.rules, "agg": OneOf(AGGREGATIONS)}
+    resolved = check_params({**defaults, **params}, rules)
     return Estimator(
         name=name, objective=obj, correction=corr, centering=centering, params=resolved
     )

@@ -19,7 +19,7 @@ by its length (TRL and verl's GSPO aggregate per sequence too).
 from __future__ import annotations
 
 from tether.estimators.base import SAFETY_BOUND, ObjectiveTerms
-from tether.estimators.registry import OBJECTIVES
+from tether.estimators.registry import OBJECTIVES, ClipLow, NonNegative
 from tether.lazy import torch
 
 
@@ -37,8 +37,8 @@ def gspo(
     advantages: torch.Tensor,
     mask: torch.Tensor,
     *,
-    clip_low: float = 3e-4,
-    clip_high: float = 4e-4,
+    clip_low: ClipLow = 3e-4,
+    clip_high: NonNegative = 4e-4,
 ) -> ObjectiveTerms:
     maskf = mask.to(logp.dtype)
     n = maskf.sum(dim=-1, keepdim=True).clamp(min=1.0)  # (B, 1)

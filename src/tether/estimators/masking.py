@@ -20,7 +20,7 @@ from __future__ import annotations
 import math
 
 from tether.estimators.base import CorrectionTerms, clamp_log_ratio
-from tether.estimators.registry import CORRECTIONS
+from tether.estimators.registry import CORRECTIONS, NonNegative, Positive
 from tether.lazy import torch
 
 
@@ -35,8 +35,8 @@ def masked_is(
     logp_rollout: torch.Tensor,
     mask: torch.Tensor,
     *,
-    lo: float = 0.5,
-    hi: float = 2.0,
+    lo: NonNegative = 0.5,
+    hi: Positive = 2.0,
 ) -> CorrectionTerms:
     log_rho = logp_old - logp_rollout  # (B, T)
     keep = _band(log_rho, lo, hi)
@@ -65,8 +65,8 @@ def seq_mis(
     logp_rollout: torch.Tensor,
     mask: torch.Tensor,
     *,
-    lo: float = 0.5,
-    hi: float = 2.0,
+    lo: NonNegative = 0.5,
+    hi: Positive = 2.0,
 ) -> CorrectionTerms:
     log_rho = ((logp_old - logp_rollout) * mask).sum(dim=-1, keepdim=True)  # (B, 1)
     keep = _band(log_rho, lo, hi)
@@ -88,8 +88,8 @@ def geo_mis(
     logp_rollout: torch.Tensor,
     mask: torch.Tensor,
     *,
-    lo: float = 0.99,
-    hi: float = 1.01,
+    lo: NonNegative = 0.99,
+    hi: Positive = 1.01,
 ) -> CorrectionTerms:
     maskf = mask.to(logp_old.dtype)
     n = maskf.sum(dim=-1, keepdim=True).clamp(min=1.0)

@@ -32,7 +32,14 @@ Shapes (B, T).
 from __future__ import annotations
 
 from tether.estimators.base import ObjectiveTerms, clamp_log_ratio
-from tether.estimators.registry import OBJECTIVES
+from tether.estimators.registry import (
+    OBJECTIVES,
+    BehaviourCap,
+    ClipLow,
+    NonNegative,
+    Positive,
+    UnitInterval,
+)
 from tether.lazy import torch
 
 
@@ -87,8 +94,8 @@ def ppo(
     advantages: torch.Tensor,
     mask: torch.Tensor,
     *,
-    clip_low: float = 0.2,
-    clip_high: float = 0.28,
+    clip_low: ClipLow = 0.2,
+    clip_high: NonNegative = 0.28,
 ) -> ObjectiveTerms:
     return clipped_surrogate(logp - logp_old, advantages, mask, clip_low, clip_high)
 
@@ -109,12 +116,12 @@ def decoupled(
     advantages: torch.Tensor,
     mask: torch.Tensor,
     *,
-    clip_low: float = 0.2,
-    clip_high: float = 0.2,
-    cap: float = 5.0,
-    behaviour_cap: str = "fixed",
-    lam: float = 2.3,
-    kappa: float = 5e-3,
+    clip_low: ClipLow = 0.2,
+    clip_high: NonNegative = 0.2,
+    cap: Positive = 5.0,
+    behaviour_cap: BehaviourCap = "fixed",
+    lam: NonNegative = 2.3,
+    kappa: UnitInterval = 5e-3,
 ) -> ObjectiveTerms:
     behaviour = clamp_log_ratio(logp_prox - logp_rollout).exp()  # (B, T) pi_prox / mu
     if behaviour_cap == "cis":  # CIS's calibrated cap on pi_prox's confidence

@@ -1,8 +1,10 @@
 """Decorator registries for objectives and mismatch corrections, and parameter checks.
 
 An entry is a pure function. Its positional parameters name the TokenBatch fields it
-reads; its keyword-only parameters are its floats (or strings, or flags), and their
-defaults are the estimator's defaults. So the signature is the whole spec: nothing is
+reads; its keyword-only parameters are its floats (or strings, or flags), their defaults
+are the estimator's defaults, and their types say which values are allowed (`ClipLow`,
+`NonNegative`, `Positive`, `PositiveFinite`, `UnitInterval` for floats, `OneOf` for
+strings; a bool default makes a flag). So the signature is the whole spec: nothing is
 repeated (an estimator that reads `logp_prox` makes the trainer score pi_prox). An
 objective also registers its source's aggregation (agg), the estimator's default agg.
 """
@@ -12,15 +14,44 @@ from __future__ import annotations
 import inspect
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Any, TypeVar
+from dataclasses import dataclass, field
+from typing import Annotated, Any, TypeVar
 
 from tether.estimators.base import AGGREGATIONS
 
 F = TypeVar("F", bound=Callable[..., Any])
 
 LENGTH_NORMS = ("none", "T", "sqrtT")
+BEHAVIOUR_CAPS = ("fixed", "cis")  # decoupled's cap on pi_prox / mu: C, or CIS's calibrated one
 CORRECTS = ("numerical", "staleness", "both", "neither")
+
+
+@dataclass(frozen=True)
+class Range:
+    """The values a float parameter allows: `test(x)`, said as `allowed` in the error."""
+
+    test: Callable[[float], bool]
+    allowed: str
+
+
+@dataclass(frozen=True)
+class OneOf:
+    """The values a string parameter allows."""
+
+    choices: tuple[str, ...]
+
+
+Rule = Range | OneOf | type  # `bool`: a flag
+
+# The parameter types entries declare in their signatures. +inf passes the caps on purpose
+# ("no cap"). clip_low = 1 puts the lower bound 1 - clip_low at 0, which r > 0 never crosses.
+ClipLow = Annotated[float, Range(lambda x: 0.0 <= x <= 1.0, "in [0, 1] (1: no lower clip)")]
+NonNegative = Annotated[float, Range(lambda x: 0.0 <= x < math.inf, "finite and >= 0")]
+Positive = Annotated[float, Range(lambda x: x > 0.0, "> 0")]
+PositiveFinite = Annotated[float, Range(lambda x: 0.0 < x < math.inf, "finite and > 0")]
+UnitInterval = Annotated[float, Range(lambda x: 0.0 <= x <= 1.0, "in [0, 1]")]
+LengthNorm = Annotated[str, OneOf(LENGTH_NORMS)]
+BehaviourCap = Annotated[str, OneOf(BEHAVIOUR_CAPS)]
 
 
 @dataclass(frozen=True)
@@ -46,6 +77,7 @@ class Entry:
     mismatch_flag: str | None = None
     # Objectives only: the aggregation of the objective's source, the estimator's default agg.
     agg: str = "token-mean"
+    rules: dict[str, Rule] = field(default_factory=dict)  # parameter -> allowed values
 
 
 class Registry:
@@ -107,7 +139,7 @@ class Registry:
         if flag is not None and not isinstance(defaults.get(flag), bool):
             raise ValueError(f"{self.kind} {name!r}: mismatch_flag {flag!r} is not a flag parameter")
         entry = Entry(name=name, fn=fn, inputs=inputs, defaults=defaults, head_inputs=head_inputs,
-                      head_params=head_params, **meta)
+                      head_params=head_params, rules=_rules(fn, defaults), **meta)
         self._entries[name] = entry
         return entry
 
@@ -132,57 +164,55 @@ def _number(name: str, value: Any) -> float:
     return float(value)
 
 
-# name -> (test, what the value must be); +inf passes the caps on purpose ("no cap").
-_RULES: dict[str, tuple[Callable[[float], bool], str]] = {
-    # clip_low = 1 puts the lower bound 1 - clip_low at 0, which r > 0 never crosses: no lower clip.
-    "clip_low": (lambda x: 0.0 <= x <= 1.0, "in [0, 1] (1: no lower clip)"),
-    "clip_high": (lambda x: 0.0 <= x < math.inf, "finite and >= 0"),
-    "cap": (lambda x: x > 0.0, "> 0"),
-    "stale_cap": (lambda x: x > 0.0, "> 0"),
-    "lo": (lambda x: 0.0 <= x < math.inf, "finite and >= 0"),
-    "hi": (lambda x: x > 0.0, "> 0"),
-    "lam": (lambda x: 0.0 <= x < math.inf, "finite and >= 0"),
-    "kappa": (lambda x: 0.0 <= x <= 1.0, "in [0, 1]"),
-    "k_pos": (lambda x: 0.0 <= x < math.inf, "finite and >= 0"),
-    "k_neg": (lambda x: 0.0 <= x < math.inf, "finite and >= 0"),
-    "lam_pos": (lambda x: 0.0 <= x < math.inf, "finite and >= 0"),
-    "lam_neg": (lambda x: 0.0 <= x < math.inf, "finite and >= 0"),
-    "tau_pos": (lambda x: 0.0 < x < math.inf, "finite and > 0"),
-    "tau_neg": (lambda x: 0.0 < x < math.inf, "finite and > 0"),
-}
-BEHAVIOUR_CAPS = ("fixed", "cis")  # decoupled's cap on pi_prox / mu: C, or CIS's calibrated one
-_CHOICES: dict[str, tuple[str, ...]] = {"agg": AGGREGATIONS, "length_norm": LENGTH_NORMS,
-                                        "behaviour_cap": BEHAVIOUR_CAPS}
-_FLAGS = {"include_rho"}
+def _rules(fn: Callable[..., Any], defaults: dict[str, Any]) -> dict[str, Rule]:
+    """The allowed values of `fn`'s keyword-only parameters, from their types (only theirs
+    are resolved: the tensors' would import torch). A plug-in's parameter whose type cannot
+    be resolved, or declares no range, is checked as a number only."""
+    rules: dict[str, Rule] = {}
+    for name, param in inspect.signature(fn).parameters.items():
+        if name not in defaults:
+            continue
+        hint = param.annotation
+        if isinstance(hint, str):  # `from __future__ import annotations`
+            try:
+                hint = eval(hint, fn.__globals__)  # as typing.get_type_hints does, for one name
+            except Exception:  # noqa: BLE001 - an unresolvable hint only loses the range check
+                hint = None
+        meta = getattr(hint, "__metadata__", ())
+        default = defaults[name]
+        rule = next((m for m in meta if isinstance(m, (Range, OneOf))), None)
+        if rule is None and isinstance(default, bool):
+            rule = bool
+        if rule is not None:
+            rules[name] = rule
+    return rules
 
 
-def check_params(params: dict[str, Any]) -> dict[str, Any]:
-    """Validate resolved parameters; return them with numbers as floats.
+def check_params(params: dict[str, Any], rules: dict[str, Rule]) -> dict[str, Any]:
+    """Validate resolved parameters against `rules`; return them with numbers as floats.
 
-    Raises ValueError naming the parameter and the allowed range.
+    Raises ValueError naming the parameter and the allowed values.
     """
     checked: dict[str, Any] = {}
     for name, value in params.items():
-        if name in _FLAGS:
+        rule = rules.get(name)
+        if rule is bool:
             if not isinstance(value, bool):
                 raise ValueError(f"parameter {name!r} must be true or false, got {value!r}")
             checked[name] = value
-            continue
-        if name in _CHOICES:
-            if value not in _CHOICES[name]:
+        elif isinstance(rule, OneOf):
+            if value not in rule.choices:
                 raise ValueError(
-                    f"parameter {name!r} must be one of {', '.join(_CHOICES[name])}, got {value!r}"
+                    f"parameter {name!r} must be one of {', '.join(rule.choices)}, got {value!r}"
                 )
             checked[name] = value
-            continue
-        if isinstance(value, str) and name not in _RULES:  # a plug-in's own string option
+        elif isinstance(value, str) and rule is None:  # a plug-in's own string option
             checked[name] = value
-            continue
-        x = _number(name, value)
-        test, allowed = _RULES.get(name, (lambda x: True, ""))
-        if not test(x):
-            raise ValueError(f"parameter {name!r} must be {allowed}, got {value!r}")
-        checked[name] = x
+        else:
+            x = _number(name, value)
+            if isinstance(rule, Range) and not rule.test(x):
+                raise ValueError(f"parameter {name!r} must be {rule.allowed}, got {value!r}")
+            checked[name] = x
     if "lo" in checked and "hi" in checked and not checked["lo"] < checked["hi"]:
         raise ValueError(
             f"parameter 'lo' must be < 'hi', got lo={checked['lo']} hi={checked['hi']}"

@@ -20,7 +20,7 @@ and verl aggregate SAPO per sequence too).
 from __future__ import annotations
 
 from tether.estimators.base import ObjectiveTerms, clamp_log_ratio
-from tether.estimators.registry import OBJECTIVES
+from tether.estimators.registry import OBJECTIVES, PositiveFinite
 from tether.lazy import torch
 
 
@@ -38,8 +38,8 @@ def sapo(
     advantages: torch.Tensor,
     mask: torch.Tensor,
     *,
-    tau_pos: float = 1.0,
-    tau_neg: float = 1.05,
+    tau_pos: PositiveFinite = 1.0,
+    tau_neg: PositiveFinite = 1.05,
 ) -> ObjectiveTerms:
     ratio = clamp_log_ratio(logp - logp_old).exp()  # (B, T)
     tau = torch.where(advantages > 0, ratio.new_tensor(tau_pos), ratio.new_tensor(tau_neg))

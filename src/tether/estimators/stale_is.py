@@ -25,7 +25,7 @@ watches. Shapes (B, T).
 from __future__ import annotations
 
 from tether.estimators.base import ObjectiveTerms, clamp_log_ratio
-from tether.estimators.registry import OBJECTIVES
+from tether.estimators.registry import OBJECTIVES, Positive
 from tether.lazy import torch
 
 
@@ -43,7 +43,7 @@ def truncated_is(
 
 
 def stale_is_head_weight(
-    topk_logp: torch.Tensor, topk_logp_old: torch.Tensor, *, stale_cap: float = 2.0
+    topk_logp: torch.Tensor, topk_logp_old: torch.Tensor, *, stale_cap: Positive = 2.0
 ) -> torch.Tensor:
     """w(v) = min(pi_theta(v) / pi_old(v), C_s) on the top-K head, detached. (B, T, K)."""
     log_r = clamp_log_ratio(topk_logp.detach() - topk_logp_old)
@@ -64,7 +64,7 @@ def stale_is(
     advantages: torch.Tensor,
     mask: torch.Tensor,
     *,
-    stale_cap: float = 2.0,
+    stale_cap: Positive = 2.0,
 ) -> ObjectiveTerms:
     return truncated_is(logp, logp_old, advantages, mask, stale_cap)
 
@@ -83,6 +83,6 @@ def total_is(
     advantages: torch.Tensor,
     mask: torch.Tensor,
     *,
-    cap: float = 2.0,
+    cap: Positive = 2.0,
 ) -> ObjectiveTerms:
     return truncated_is(logp, logp_rollout, advantages, mask, cap)

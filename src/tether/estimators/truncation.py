@@ -17,7 +17,7 @@ from __future__ import annotations
 import math
 
 from tether.estimators.base import CorrectionTerms, clamp_log_ratio
-from tether.estimators.registry import CORRECTIONS
+from tether.estimators.registry import CORRECTIONS, Positive
 from tether.lazy import torch
 
 
@@ -41,7 +41,7 @@ def no_correction(logp_old: torch.Tensor, mask: torch.Tensor) -> CorrectionTerms
     source="TIS (Yao et al. 2025)",
 )
 def tis(
-    logp_old: torch.Tensor, logp_rollout: torch.Tensor, mask: torch.Tensor, *, cap: float = 2.0
+    logp_old: torch.Tensor, logp_rollout: torch.Tensor, mask: torch.Tensor, *, cap: Positive = 2.0
 ) -> CorrectionTerms:
     rho = clamp_log_ratio(logp_old - logp_rollout).exp()  # (B, T)
     return CorrectionTerms(
@@ -57,7 +57,7 @@ def tis(
     source="TIS (Yao et al. 2025), sequence form",
 )
 def seq_tis(
-    logp_old: torch.Tensor, logp_rollout: torch.Tensor, mask: torch.Tensor, *, cap: float = 2.0
+    logp_old: torch.Tensor, logp_rollout: torch.Tensor, mask: torch.Tensor, *, cap: Positive = 2.0
 ) -> CorrectionTerms:
     # Stay in log space: the product of many ratios over- or underflows quickly.
     log_rho = ((logp_old - logp_rollout) * mask).sum(dim=-1, keepdim=True)  # (B, 1)

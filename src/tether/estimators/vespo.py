@@ -26,7 +26,7 @@ E-VESPO experiment. Default "none": the true product. Shapes (B, T); W is (B,).
 from __future__ import annotations
 
 from tether.estimators.base import SAFETY_BOUND, ObjectiveTerms, clamp_log_ratio
-from tether.estimators.registry import OBJECTIVES
+from tether.estimators.registry import OBJECTIVES, LengthNorm, NonNegative
 from tether.lazy import torch
 
 
@@ -75,11 +75,11 @@ def vespo(
     advantages: torch.Tensor,
     mask: torch.Tensor,
     *,
-    k_pos: float = 2.0,
-    lam_pos: float = 3.0,
-    k_neg: float = 3.0,
-    lam_neg: float = 2.0,
-    length_norm: str = "none",
+    k_pos: NonNegative = 2.0,
+    lam_pos: NonNegative = 3.0,
+    k_neg: NonNegative = 3.0,
+    lam_neg: NonNegative = 2.0,
+    length_norm: LengthNorm = "none",
     include_rho: bool = False,
 ) -> ObjectiveTerms:
     log_w = sequence_log_weight(logp, logp_old, logp_rollout, mask, length_norm, include_rho)

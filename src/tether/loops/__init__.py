@@ -1,5 +1,6 @@
 """The training loops: `loop.mode=sync` (tether.loops.sync_loop) or `async`
-(tether.loops.async_loop), both around one shared step (tether.step)."""
+(tether.loops.async_loop), both around one shared step (tether.step) inside one skeleton
+(tether.loops.skeleton: start, end-of-step tail, teardown)."""
 
 from __future__ import annotations
 

@@ -26,26 +26,24 @@ from tether.rollout.worker import BatchResult
 from tether.run import Run, RunResult, build_run
 from tether.step import old_logprobs, train_step
 from tether.trainer import RolloutTensors, collate
-from tether.weights import SnapshotStore, parse_sync_policy
+from tether.weights import SnapshotStore
 from tether.weights.gate import StalenessGate
 
 
 def train_async(cfg: Config, resume: bool = False) -> RunResult:
     run = build_run(cfg, resume)
     model, trainer, tokenizer, eta = run.model, run.trainer, run.tokenizer, cfg.loop.max_staleness
-    policy = parse_sync_policy(cfg.sync.policy, cfg.train.estimator)
-    gate = StalenessGate(policy, cfg.sync.on_trip, cfg.train.minibatches)
+    gate = StalenessGate.of(cfg)  # the sync policy, and what it does to a stale batch
     snapshots, ledger = SnapshotStore(model), Ledger(run.run_dir / "ledger.jsonl")
     # The workers start building their engines now, in parallel with the evaluation at step 0.
     backend = build_backend(cfg, str(run.model_path), run.run_dir.name)
-    sched = Scheduler(cfg, policy, backend, snapshots, ledger, run.sampling_seed)
+    sched = Scheduler(cfg, gate.policy, backend, snapshots, ledger, run.sampling_seed)
     mirror = _Mirror(run, snapshots)  # the generator's numerics in this process, for diagnostics
     rate = _Throughput()
-    model_at = lambda v: model if v == trainer.version else snapshots.model_at(v)
-    score_now = lambda b: trainer.score_old(b, model)[0]
 
+    # On a stop, what is in flight is dropped (sched.stop), to be issued again on resume.
     with Session(run, RunState(trainer, sched), resume, close=[backend.stop, ledger.close],
-                 on_stop=sched.stop) as s:  # on stop: what is in flight is dropped, re-issued on resume
+                 on_stop=sched.stop) as s:
         sched.publish(trainer.version, model.state_dict())
         for step in s.steps():
             # 1. Admit: issue every rollout batch the staleness bound allows.
@@ -54,25 +52,26 @@ def train_async(cfg: Config, resume: bool = False) -> RunResult:
             # 2. The next batch in issue order; waiting for it is the trainer's idle time.
             result = _next_batch(sched, backend, trainer.version)
             arrived = clock.lap("wait_data")
-            batch, V = collate(result.rollouts, tokenizer.pad_token_id, model.device), trainer.version
+            batch = collate(result.rollouts, tokenizer.pad_token_id, model.device)
+            V = trainer.version
             behind = _behind(batch, V)  # (B, T) versions between the trainer and each token
             if int(behind.max()) > eta:  # a safety net: admission makes this impossible
                 sched.drop(result.item, "over_staleness_bound")
                 continue
             # 3. pi_old per token at the weights that sampled it (kept snapshots, or the
             #    training forward when those are the current weights).
-            old, batch = old_logprobs(trainer, batch, model_at)
+            old, batch = old_logprobs(trainer, batch, snapshots)
             clock.lap("old_logprob")
             # 4. Staleness gate (ess policy, on_trip=regenerate): a batch too stale to learn
             #    from is dropped and its prompts issued again with the current weights.
-            if gate.before(batch, old.logp, V, score_now):
+            if gate.before(batch, old.logp, trainer):
                 sched.drop(result.item, "ess_trip_regenerated")
                 if V > backend.version:
                     sched.publish(V, model.state_dict())
                 continue
             # 5. Loss and optimizer step(s) at the current weights (data-parallel: on every rank).
             out = train_step(trainer, batch, result.rollouts, old, cfg.train.adv_std_norm)
-            tripped = gate.after(out.logp, score_now)  # on_trip=train: off the training forward
+            tripped = gate.after(out.logp, trainer)  # on_trip=train: off the training forward
             clock.lap()
             # 6. Diagnostics: numerical / staleness / total split, MoE routing, monitor.
             diag = s.diagnose(step, run.sampling_seed(result.item.slot), batch, out.logp_old,

@@ -18,7 +18,7 @@ from tether.run import RunResult, build_run
 from tether.setup import build_generator
 from tether.step import old_logprobs, train_step
 from tether.trainer import collate
-from tether.weights import InProcessPublisher, SnapshotStore, Synchronizer, parse_sync_policy
+from tether.weights import InProcessPublisher, SnapshotStore, Synchronizer
 from tether.weights.gate import StalenessGate
 
 
@@ -26,12 +26,10 @@ def train_sync(cfg: Config, resume: bool = False) -> RunResult:
     run = build_run(cfg, resume)
     model, trainer, tokenizer, r = run.model, run.trainer, run.tokenizer, cfg.rollout
     generator = build_generator(cfg, model, run.model_path, tokenizer)  # one, in this process
-    policy, snapshots = parse_sync_policy(cfg.sync.policy, cfg.train.estimator), SnapshotStore(model)
-    sync = Synchronizer(policy, InProcessPublisher(generator), snapshots, model.state_dict(), cfg.sync.lag)
-    gate = StalenessGate(policy, cfg.sync.on_trip, cfg.train.minibatches)
-    model_at = lambda v: model if v == trainer.version else snapshots.model_at(v)
-    score_now = lambda b: trainer.score_old(b, model)[0]
-    generator_model = lambda v: getattr(generator, "model", None)  # None for vLLM (weights in its engine)
+    gate, snapshots = StalenessGate.of(cfg), SnapshotStore(model)  # the policy; kept versions
+    sync = Synchronizer(gate.policy, InProcessPublisher(generator), snapshots, model.state_dict(),
+                        cfg.sync.lag)
+    generator_model = lambda v: getattr(generator, "model", None)  # vLLM: None (in its engine)
 
     def sample(step: int):
         """G rewarded samples per prompt at the generator's weight version, and as tensors."""
@@ -48,25 +46,27 @@ def train_sync(cfg: Config, resume: bool = False) -> RunResult:
             clock.lap("generate")
             # 2. pi_old per token at the weights that sampled it (kept snapshots, or the
             #    training forward when those are the current weights).
-            old, batch = old_logprobs(trainer, batch, model_at)
+            old, batch = old_logprobs(trainer, batch, snapshots)
             clock.lap("old_logprob")
-            # 3. Staleness gate (ess policy, on_trip=regenerate): a batch whose ESS at the current
-            #    weights is below tau is dropped; the generator re-syncs and the prompts are resampled.
-            if gate.before(batch, old.logp, trainer.version, score_now):
+            # 3. Staleness gate (ess policy, on_trip=regenerate): a batch whose ESS at the
+            #    current weights is below tau is dropped; the generator re-syncs and the
+            #    prompts are sampled again.
+            if gate.before(batch, old.logp, trainer):
                 sync.resync(trainer.version, model.state_dict())
                 rollouts, batch = sample(step)
-                old, batch = old_logprobs(trainer, batch, model_at)
+                old, batch = old_logprobs(trainer, batch, snapshots)
             clock.lap("sync")
             V = trainer.version
             # 4. Loss and optimizer step(s) at the current weights (data-parallel: on every rank).
             out = train_step(trainer, batch, rollouts, old, cfg.train.adv_std_norm)
             clock.lap()
-            # 5. Diagnostics: numerical / staleness / total split, MoE routing, current-model monitor.
+            # 5. Diagnostics: numerical / staleness / total split, MoE routing, monitor.
             diag = s.diagnose(step, run.sampling_seed(step), batch, out.logp_old, out.logp,
                               snapshots.model_at, generator_model, sync.generator_version)
             clock.lap("diagnostics")
-            # 6. Sync: the policy (the gate's trip, interval) and sync.lag decide the generator's next version.
-            tripped = gate.after(out.logp, score_now)
+            # 6. Sync: the policy (the gate's trip, interval) and sync.lag decide the
+            #    generator's next version.
+            tripped = gate.after(out.logp, trainer)
             sync_metrics = sync.after_step(step, trainer.version, model.state_dict(), tripped)
             clock.lap("sync")
             # 7. Log, evaluate every E steps and at the end; checkpoint every K steps; on

@@ -29,11 +29,6 @@ _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model"
 RECIPE_VERSION = 1
 
 
-# The Countdown knobs that shape the warm-start data, hence the cached model.
-TASK_KNOBS = ("num_numbers", "num_min", "num_max", "target_min", "target_max", "use_all", "answer",
-              "rl_share")
-
-
 def default_model_dir(cache_dir: str, moe: bool, seed: int, warmstart_steps: int, task_key: dict,
                       arch_key: dict | None = None) -> Path:
     """`arch_key`: the MoE knobs that differ from the default architecture (none: keyed as
@@ -64,9 +59,9 @@ def ensure_default_model(
     """
     from tether.tasks.countdown import ALPHABET, CountdownTask
 
-    knobs = {k: v for k, v in (task_kwargs or {}).items() if k in TASK_KNOBS}
+    knobs = {k: v for k, v in (task_kwargs or {}).items() if k in CountdownTask.WARMSTART_KNOBS}
     task = CountdownTask(**knobs, seed=seed)
-    key = {k: getattr(task, k) for k in TASK_KNOBS}
+    key = {k: getattr(task, k) for k in CountdownTask.WARMSTART_KNOBS}
     for knob, before in (("answer", "expr"), ("rl_share", 0.0)):
         if key[knob] == before:  # keyed as before the option existed: cached models stay valid
             del key[knob]

@@ -179,6 +179,9 @@ class CountdownTask:
     """Countdown problems from a seed, with an exact parse-only reward (see module docstring)."""
 
     name = "countdown"
+    # The knobs that shape the warm-start data (tether.models), hence the cached default model.
+    WARMSTART_KNOBS = ("num_numbers", "num_min", "num_max", "target_min", "target_max", "use_all",
+                       "answer", "rl_share")
 
     def __init__(
         self,

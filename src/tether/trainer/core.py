@@ -78,8 +78,9 @@ class Trainer:
 
         Returns the metrics of each optimizer step and the (B, T) logp as each token's loss
         saw it (mini-batch i after i steps), for diagnostics and the ESS trigger; None when
-        a step was skipped (tether.guards) or stopped before scoring every row. `logp_old` None (one mini-batch, a batch
-        sampled at the current weights): pi_old is the training forward's logp, detached.
+        a step was skipped (tether.guards) or stopped before scoring every row. `logp_old`
+        None (one mini-batch, a batch sampled at the current weights): pi_old is the
+        training forward's logp, detached.
 
         An estimator that reads pi_prox (decoupled PPO) gets it scored here, without grad,
         at the weights before the first of these steps, for every mini-batch (as AReaL

@@ -2,12 +2,12 @@
 
 Both loops put every batch through it, around its training step:
 
-    before(batch, logp_old, trainer_version, score_now)  -> regenerate?
-    after(logp_trained, score_now)                       -> tripped?
+    before(batch, logp_old, trainer)  -> regenerate?
+    after(logp_trained, trainer)      -> tripped?
 
 The ESS of r = pi_theta / pi_old is taken at the weights the batch's training starts
 from. `sync.on_trip=regenerate` must decide before training, so `before` scores the batch
-at the current weights (`score_now`, one no-grad forward) and answers True when the batch
+at the trainer's current weights (one no-grad forward) and answers True when the batch
 is to be dropped and its prompts sampled again from re-synced weights. `on_trip=train`
 trains on it (the estimator caps its weights) and `after` reads the ESS off the training
 forward's first mini-batch, at no extra compute; True means re-sync now. A batch whose
@@ -18,17 +18,31 @@ Other policies measure nothing and never trip. The loop then delivers the weight
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
-from tether.weights.policy import ON_TRIP, SyncPolicy, staleness_ess, trained_ess
+from tether.weights.policy import ON_TRIP, SyncPolicy, parse_sync_policy, staleness_ess, trained_ess
 
-ScoreNow = Callable[[Any], torch.Tensor]  # batch -> (B, T) logp at the trainer's current weights
+
+class Scorer(Protocol):
+    """The trainer, as the gate uses it: its weight version, and no-grad log-probs."""
+
+    version: int
+    model: Any
+
+    def score_old(self, batch: Any, model: Any) -> tuple[torch.Tensor, torch.Tensor | None]: ...
 
 
 class StalenessGate:
+    """One per run: `before` and `after` each batch, `metrics` for its row."""
+
+    @classmethod
+    def of(cls, cfg: Any) -> StalenessGate:
+        """The gate of `sync.policy` (resolved for `train.estimator`) and `sync.on_trip`."""
+        return cls(parse_sync_policy(cfg.sync.policy, cfg.train.estimator), cfg.sync.on_trip,
+                   cfg.train.minibatches)
+
     def __init__(self, policy: SyncPolicy, on_trip: str = "train", minibatches: int = 1):
         if on_trip not in ON_TRIP:
             raise ValueError(f"sync.on_trip={on_trip!r}; valid: {', '.join(ON_TRIP)}")
@@ -37,32 +51,32 @@ class StalenessGate:
         self._pending: tuple[Any, torch.Tensor | None, bool] | None = None
         self._metrics: dict[str, float] = {}
 
-    def before(self, batch: Any, logp_old: torch.Tensor | None, trainer_version: int,
-               score_now: ScoreNow) -> bool:
+    def before(self, batch: Any, logp_old: torch.Tensor | None, trainer: Scorer) -> bool:
         """Before training on `batch`: True = drop it and sample its prompts again.
         `logp_old` may be None only for a fresh batch (read off the training forward)."""
         self._pending, self._metrics = None, {}
         if not self.policy.measures_ess:
             return False
         valid = batch.response_mask.bool()
-        fresh = bool((batch.token_versions[valid] == trainer_version).all())
+        fresh = bool((batch.token_versions[valid] == trainer.version).all())
         if self.on_trip == "train":
             self._pending = (batch, logp_old, fresh)
             return False
-        ess = 1.0 if fresh else staleness_ess(score_now(batch), logp_old, batch.response_mask)
+        ess = 1.0 if fresh else staleness_ess(_score_now(trainer, batch), logp_old,
+                                              batch.response_mask)
         tripped = self._record(ess)
         self._metrics["sync/regenerated"] = float(tripped)
         return tripped
 
-    def after(self, logp_trained: torch.Tensor | None, score_now: ScoreNow) -> bool:
+    def after(self, logp_trained: torch.Tensor | None, trainer: Scorer) -> bool:
         """After the training step: True = the batch tripped the policy, re-sync now
-        (`on_trip=train`; `logp_trained` None, a step cut short: `score_now` scores it)."""
+        (`on_trip=train`; `logp_trained` None, a step cut short: the trainer scores it)."""
         if self._pending is None:
             return False
         batch, logp_old, fresh = self._pending
         self._pending = None
         ess = 1.0 if fresh else trained_ess(logp_trained, logp_old, batch.response_mask,
-                                            self.minibatches, lambda: score_now(batch))
+                                            self.minibatches, lambda: _score_now(trainer, batch))
         return self._record(ess)
 
     def metrics(self) -> dict[str, float]:
@@ -73,3 +87,8 @@ class StalenessGate:
         tripped = self.policy.trips(ess)
         self._metrics |= {"sync/ess/token": ess, "sync/tripped": float(tripped)}
         return tripped
+
+
+def _score_now(trainer: Scorer, batch: Any) -> torch.Tensor:
+    """(B, T) log-probs of the batch's tokens at the trainer's current weights."""
+    return trainer.score_old(batch, trainer.model)[0]

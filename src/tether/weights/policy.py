@@ -4,13 +4,9 @@ A policy sees versions and ESS values and answers yes or no; it holds no weights
 nothing. The synchronous loop applies it through `tether.weights.Synchronizer`; the
 asynchronous loop through its publish rule (docs/async.md).
 
-    every:K         a routine delivery after every K-th step (async: publish every K versions).
-    bounded:K       deliver only when the generator would otherwise be more than K versions
-                    behind (AReaL's bound; async: the admission bound, publish lazily).
-    ess:TAU[:max=M] DLC's trigger: re-sync to the trainer's current weights as soon as the
-                    normalised token ESS of r = pi_theta / pi_old on the incoming batch falls
-                    below TAU; with max=M also after M steps without one.
-    auto            the estimator preset's policy (`dlc`: ess:0.5), otherwise every:1.
+The forms and what each does are written once, in `FORMS` (`tether config --fields` prints
+them for `sync.policy`); `EveryK`, `BoundedK` and `EssTrigger` implement them, each with
+its rule for the asynchronous loop's publishing (`publishes`).
 """
 
 from __future__ import annotations
