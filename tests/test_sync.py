@@ -268,8 +268,7 @@ def test_on_trip_train_measures_the_first_minibatch_only():
     sync = synchronizer(EssTrigger(0.5), gen, trainer, lag=4)
     gate = StalenessGate(EssTrigger(0.5), "train", minibatches=2)
     trainer.step()  # the batch below was sampled at version 0, training starts at 1
-    batch = SimpleNamespace(response_mask=torch.ones(4, 3),
-                            token_versions=torch.zeros(4, 3, dtype=torch.long))
+    batch = SimpleNamespace(response_mask=torch.ones(4, 3), sampled_at=lambda v: v == 0)
     logp_old = torch.zeros(4, 3)
     logp = torch.tensor([[0.0] * 3, [0.0] * 3, [9.0] * 3, [-9.0] * 3])
     assert gate.before(batch, logp_old, trainer) is False

@@ -121,9 +121,10 @@ class TrainerRanks(RankView):
         init = f"tcp://127.0.0.1:{_free_port()}"
         ctx = torch.multiprocessing.get_context("spawn")
         self.queues = [ctx.Queue() for _ in range(W - 1)]
+        self.placed = ctx.Queue()  # (rank, device) from each rank once its model is placed
         self.procs = [ctx.Process(target=_rank_main, daemon=True, name=f"tether-rank-{r}",
                                   args=(r, W, backend, init, cfg, str(model_path),
-                                        self.queues[r - 1], os.getpid()))
+                                        self.queues[r - 1], self.placed, os.getpid()))
                       for r in range(1, W)]
         for p in self.procs:
             p.start()
@@ -132,7 +133,16 @@ class TrainerRanks(RankView):
         _shared(state)
         for q in self.queues:
             q.put(state)  # every rank starts from rank 0's weights and optimizer moments
-        self.devices = self.gather(str(device))  # where each rank placed its model
+        self.device, self._devices = str(device), None
+
+    @property
+    def devices(self) -> list[str]:
+        """Where each rank placed its model, in rank order (waits for ranks still loading;
+        asked for, not awaited at start-up, so rank 0 goes on while they load)."""
+        if self._devices is None:
+            got = dict(self.placed.get(timeout=TIMEOUT.total_seconds()) for _ in self.procs)
+            self._devices = [self.device, *(got[r] for r in range(1, self.world_size))]
+        return self._devices
 
     def begin(self, *work: Any) -> None:
         """Hand the other ranks this step's (batch, advantages, logp_old, topk_logp_old)."""
@@ -204,7 +214,7 @@ def start_ranks(trainer: Trainer, cfg: Config, model_path: str | Path) -> Traine
 
 
 def _rank_main(rank: int, world_size: int, backend: str, init: str, cfg: Config,
-               model_path: str, work: Any, parent_pid: int) -> None:
+               model_path: str, work: Any, placed: Any, parent_pid: int) -> None:
     """A trainer rank > 0: the model on `run.device` and the optimizer, then one `train_on`
     per batch sent."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C: rank 0 finishes the step, then stops us
@@ -213,13 +223,13 @@ def _rank_main(rank: int, world_size: int, backend: str, init: str, cfg: Config,
     dist.init_process_group(backend, init_method=init, rank=rank, world_size=world_size,
                             timeout=TIMEOUT)
     _, model, _ = load_policy(cfg, model_path)
+    placed.put((rank, str(next(model.parameters()).device)))  # TrainerRanks.devices
     trainer = Trainer(model, cfg.train, sampling_params(cfg, model.config.vocab_size))
     trainer.attach(RankView(rank, world_size))
     # A copy of its own: the queue hands over rank 0's tensors in shared memory, and the
     # optimizer keeps loaded moments without copying them, so a resumed run's ranks would
     # otherwise update one set of Adam moments (and step counts) in place, twice a step.
     trainer.load_state_dict(copy.deepcopy(work.get()))
-    trainer.collective.gather(str(next(model.parameters()).device))  # TrainerRanks.devices
     while (item := next_or_orphaned(work, parent_pid)) is not None:
         trainer.train_on(*item)
     dist.destroy_process_group()

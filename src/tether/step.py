@@ -115,10 +115,9 @@ def reuses_training_forward(trainer: Trainer, batch: RolloutTensors) -> bool:
     batch also has pi_prox = pi_old (decoupled PPO), so the trainer scores no pi_prox. R2
     needs the experts of a no-grad forward, so it always scores; so does a model with
     dropout."""
-    valid = batch.response_mask.bool()
     return (trainer.cfg.minibatches == 1 and trainer.cfg.routing_replay != "r2"
             and not has_dropout(trainer.model)  # train mode would then differ from eval
-            and bool((batch.token_versions[valid] == trainer.version).all()))
+            and batch.sampled_at(trainer.version))
 
 
 def has_dropout(model: nn.Module) -> bool:

@@ -33,6 +33,10 @@ class RolloutTensors:
         """(B,) the version that sampled each row's first token (padding keeps the row's)."""
         return self.token_versions[:, 0]
 
+    def sampled_at(self, version: int) -> bool:
+        """Every response token was sampled at weight version `version`."""
+        return bool((self.token_versions[self.response_mask.bool()] == version).all())
+
     @property
     def prompt_len(self) -> int:
         return self.input_ids.shape[1] - self.response_ids.shape[1]

@@ -94,9 +94,7 @@ class Trainer:
         B = batch.input_ids.shape[0]
         mb = B // self.cfg.minibatches
         idxs = [self.collective.rows(start, mb) for start in range(0, B, mb)]  # this rank's
-        valid = batch.response_mask.bool()
-        score_prox = self.estimator.needs_prox and \
-            bool((batch.token_versions[valid] != self.version).any())
+        score_prox = self.estimator.needs_prox and not batch.sampled_at(self.version)
         logp_prox = [self.score(batch.select(i), self.model).logp if score_prox else None
                      for i in idxs]
         out: list[dict[str, float]] = []

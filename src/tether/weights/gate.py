@@ -57,8 +57,7 @@ class StalenessGate:
         self._pending, self._metrics = None, {}
         if not self.policy.measures_ess:
             return False
-        valid = batch.response_mask.bool()
-        fresh = bool((batch.token_versions[valid] == trainer.version).all())
+        fresh = batch.sampled_at(trainer.version)
         if self.on_trip == "train":
             self._pending = (batch, logp_old, fresh)
             return False
