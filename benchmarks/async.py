@@ -4,6 +4,7 @@
     python benchmarks/async.py --steps 30 --engines hf --json out.json
     python benchmarks/async.py --engines hf --backends local,ray --workers 1,2   # + Ray rows
     python benchmarks/async.py --publish-cost        # what publishing one version costs
+    python benchmarks/async.py --pi-old-cost         # what the trainer's pi_old forward costs
 
 Every run trains the same model on the same Countdown prompts, with the same batch
 (prompts x group), response length, learning rate and number of steps, so the same
@@ -11,9 +12,10 @@ number of samples: `sync` (generate, then train, in turn), then `async` with one
 worker at eta = 1 and eta = 2 (loop.max_staleness). One torch thread per side: the
 trainer's and, in async mode, the worker's, so on a 2-core machine each side has a core.
 
-samples/s counts from the second batch on (engine start-up is not throughput): sync as
-samples of steps 2..N over their summed step times, async as `async/samples_per_s` at the
-last step (the same window). Held-out accuracy is sampled like the rollouts at the end
+samples/s leaves out engine start-up: sync as the samples of steps 2..N over their summed
+step times; async as `async/samples_per_s` at the last step, every batch's samples over the
+wall time from the first batch's arrival to the end of the last step (so the async rows
+also pay the per-step work outside `time/step`: admission, ledger, logging). Held-out accuracy is sampled like the rollouts at the end
 (eval.samples per problem) at the trainer's weights. "Where the time goes" is the
 synchronous step split by phase; its generate share bounds what overlapping can save:
 with one generator and one trainer the step cannot take less than the larger of
@@ -22,7 +24,11 @@ generation and the rest (ideal speedup = step / max(generate, rest)).
 `--backends local,ray --workers 1,2` adds async rows at eta = 2 for each backend and
 number of rollout workers (loop.backend, loop.workers; the Ray rows start a local Ray
 with this machine's CPUs, one CPU reserved per worker actor), side by side with the
-rows above. `--publish-cost` times publishing one weight version instead: packing the
+rows above. The row `eta=2 pi_old@trainer` is `async eta=2` with the trainer scoring pi_old
+(loop.score_old=trainer) instead of the rollout worker. "Where the time goes, seconds per
+step" breaks each run down by side: the trainer's phases (time/*), and the worker's per
+batch (worker/*: sampling, reward, pi_old, weight loads, idle), which overlap the trainer's.
+`--publish-cost` times publishing one weight version instead: packing the
 state dict, then handing it over by shared memory (local) or `ray.put` plus an actor's
 fetch (ray), for the model and for a 1 GiB buffer (the per-GB rate that scales to a
 larger model).
@@ -56,6 +62,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--workers", default="1", help="comma list of rollout worker counts")
     p.add_argument("--publish-cost", action="store_true",
                    help="time publishing one weight version (local and ray) and exit")
+    p.add_argument("--pi-old-cost", action="store_true",
+                   help="time the pi_old forward of one batch (trainer's model, snapshot, "
+                   "snapshot reloaded), alone and beside a generating process, and exit")
     p.add_argument("--json", help="also write the table as JSON here")
     return p.parse_args()
 
@@ -76,12 +85,40 @@ def run_one(common: list[str], extra: list[str]) -> dict[str, float]:
         sps = last["async/samples_per_s"]
     else:
         sps = batch * (len(rows) - 1) / sum(r["time/step"] for r in rows[1:])
-    phases = {k: sum(r.get(f"time/{k}", 0.0) for r in rows[1:]) for k in
-              ("generate", "old_logprob", "train", "diagnostics", "sync", "step", "wait_data")}
+    phases = {k: sum(r.get(k, 0.0) for r in rows[1:]) for k in (*TRAINER, *WORKER, "time/step")}
     stale = [r.get("staleness/versions/mean", 0.0) for r in rows]
     return {"samples_per_s": sps, "accuracy_sampled": last["eval/accuracy_sampled"],
             "accuracy_greedy": last["eval/accuracy"], "wall_s": wall,
-            "staleness_mean": sum(stale) / len(stale), **{f"time/{k}": v for k, v in phases.items()}}
+            "staleness_mean": sum(stale) / len(stale), "steps_timed": len(rows) - 1, **phases}
+
+
+# The per-side breakdown: the trainer's phases (time/sync holds publish and snapshots) and,
+# in async runs, the worker's (overlapping the trainer's; time/generate = its generate + reward).
+TRAINER = ("time/wait_data", "time/collate", "time/old_logprob", "time/train",
+           "time/diagnostics", "time/sync", "time/publish", "time/snapshots", "time/generate")
+WORKER = ("worker/generate", "worker/reward", "worker/old_logprob", "worker/load_weights",
+          "async/generator_idle")
+
+
+def breakdown(runs: list[dict]) -> None:
+    """Seconds per step by phase on each side. The trainer's `sync` holds its `publish` and
+    `snapshots`; the worker's columns are per batch and overlap the trainer's (the sync
+    loop generates on the trainer's side, shown under the generator's columns)."""
+    trainer = [k for k in TRAINER if k != "time/generate"]
+    name = {k: k.split("/")[-1] for k in (*trainer, *WORKER)} | {
+        "time/wait_data": "wait", "time/old_logprob": "pi_old", "time/diagnostics": "diag",
+        "worker/old_logprob": "pi_old", "worker/load_weights": "load",
+        "async/generator_idle": "idle"}
+    print("\nWhere the time goes, seconds per step")
+    print(f"{'':27s}trainer{'':58s}generator")
+    print(f"{'run':26s} " + " ".join(f"{name[k]:>7s}" for k in trainer) + f" {'step':>7s}  | "
+          + " ".join(f"{name[k]:>7s}" for k in WORKER))
+    for r in runs:
+        n = r["steps_timed"]
+        gen = [r["time/generate"] if k == "worker/generate" and r["run"] == "sync" else r[k]
+               for k in WORKER]
+        print(f"{r['engine'] + ' ' + r['run']:26s} " + " ".join(f"{r[k] / n:7.3f}" for k in trainer)
+              + f" {r['time/step'] / n:7.3f}  | " + " ".join(f"{v / n:7.3f}" for v in gen))
 
 
 def main() -> None:
@@ -94,6 +131,9 @@ def main() -> None:
     model = args.model or str(resolve_model_path(load_config("configs/countdown.yaml")))
     if args.publish_cost:
         publish_cost(model)
+        return
+    if args.pi_old_cost:
+        pi_old_cost(model, args.prompts, args.group, args.max_new_tokens)
         return
     common = [f"model.path={model}", f"train.steps={args.steps}", f"train.lr={args.lr}",
               f"rollout.prompts_per_step={args.prompts}", f"rollout.group_size={args.group}",
@@ -110,23 +150,25 @@ def main() -> None:
         for name, extra in [("sync", []),
                             ("async eta=1", ["loop.mode=async", "loop.max_staleness=1"]),
                             ("async eta=2", eta2),
+                            ("eta=2 pi_old@trainer", [*eta2, "loop.score_old=trainer"]),
                             *[(f"{b} x{w} eta=2", [*eta2, f"loop.backend={b}", f"loop.workers={w}"])
                               for b, w in grid if (b, w) != ("local", 1)]]:
             res = run_one(common, [f"rollout.engine={engine}", *extra])
             runs.append({"engine": engine, "run": name, **res})
-            print(f"{engine:5s} {name:16s} {res['samples_per_s']:7.1f} samples/s  "
+            print(f"{engine:5s} {name:20s} {res['samples_per_s']:7.1f} samples/s  "
                   f"acc(sampled) {res['accuracy_sampled']:.3f}  wall {res['wall_s']:.0f}s",
                   flush=True)
     print(f"\n{args.steps} steps of {args.prompts} x {args.group}, <= {args.max_new_tokens} "
           f"new tokens, lr {args.lr}, one torch thread per side, {os.cpu_count()} CPUs")
-    print(f"{'engine':6s} {'run':16s} {'samples/s':>9s} {'speedup':>7s} {'acc sampled':>11s} "
+    print(f"{'engine':6s} {'run':20s} {'samples/s':>9s} {'speedup':>7s} {'acc sampled':>11s} "
           f"{'acc greedy':>10s} {'staleness':>9s} {'trainer idle':>12s}")
     for r in runs:
         base = next(x for x in runs if x["engine"] == r["engine"] and x["run"] == "sync")
         idle = r["time/wait_data"] / r["time/step"] if r["time/step"] else 0.0
-        print(f"{r['engine']:6s} {r['run']:16s} {r['samples_per_s']:9.1f} "
+        print(f"{r['engine']:6s} {r['run']:20s} {r['samples_per_s']:9.1f} "
               f"{r['samples_per_s'] / base['samples_per_s']:6.2f}x {r['accuracy_sampled']:11.3f} "
               f"{r['accuracy_greedy']:10.3f} {r['staleness_mean']:9.2f} {idle:11.0%}")
+    breakdown(runs)
     for r in (x for x in runs if x["run"] == "sync"):
         step = r["time/step"]
         rest = step - r["time/generate"]
@@ -136,6 +178,83 @@ def main() -> None:
               f"speedup with one generator and one trainer: {step / max(r['time/generate'], rest):.2f}x")
     if args.json:
         Path(args.json).write_text(json.dumps(runs, indent=1))
+
+
+def _generate_forever(cfg) -> None:
+    """A rollout worker's load: sample and reward batches until terminated."""
+    import torch
+
+    from tether.rollout.worker import rewarded_rollouts
+    from tether.setup import build_generator, build_task_and_reward, load_policy, sampling_params
+
+    torch.set_num_threads(1)
+    task, reward_fn = build_task_and_reward(cfg)
+    path, model, tok = load_policy(cfg)
+    gen = build_generator(cfg, model, path, tok)
+    sampling = sampling_params(cfg, model.config.vocab_size)
+    for seed in iter(int, 1):
+        rewarded_rollouts(gen, tok, task, reward_fn, list(range(cfg.rollout.prompts_per_step)),
+                          sampling, seed)
+
+
+def pi_old_cost(model_path: str, prompts: int, group: int, new_tokens: int,
+                repeats: int = 12) -> None:
+    """Median seconds of the async trainer's pi_old forward on one batch: at the trainer's own
+    model, at the snapshot model (loaded once), and at the snapshot model reloaded every call
+    (as when each batch is at a new version); alone, then beside a process that generates
+    (the rollout worker on the other core). One torch thread each."""
+    import multiprocessing
+    import statistics
+
+    import torch
+
+    from tether.config import load_config
+    from tether.rollout.worker import rewarded_rollouts
+    from tether.setup import build_generator, build_task_and_reward, load_policy, sampling_params
+    from tether.trainer import Trainer, collate
+    from tether.weights import SnapshotStore
+
+    torch.set_num_threads(1)
+    cfg = load_config("configs/countdown.yaml", [f"model.path={model_path}",
+                      f"rollout.prompts_per_step={prompts}", f"rollout.group_size={group}",
+                      f"rollout.max_new_tokens={new_tokens}"])
+    task, reward_fn = build_task_and_reward(cfg)
+    path, model, tok = load_policy(cfg)
+    sampling = sampling_params(cfg, model.config.vocab_size)
+    trainer = Trainer(model, cfg.train, sampling)
+    snapshots = SnapshotStore(model)
+    for v in (0, 1):
+        snapshots.put(v, model.state_dict())
+    batch = collate(rewarded_rollouts(build_generator(cfg, model, path, tok), tok, task,
+                                      reward_fn, list(range(prompts)), sampling, 1), tok.pad_token_id)
+    flip = [0]
+
+    def reloaded():
+        flip[0] ^= 1
+        trainer.score(batch, snapshots.model_at(flip[0]))
+
+    cases = {"trainer's model": lambda: trainer.score(batch, model),
+             "snapshot, loaded": lambda: trainer.score(batch, snapshots.model_at(0)),
+             "snapshot, reloaded each call": reloaded}
+    print(f"pi_old forward on one batch of {prompts} x {group}, median of {repeats} (s)")
+    for beside in (False, True):
+        other = None
+        if beside:
+            other = multiprocessing.get_context("spawn").Process(
+                target=_generate_forever, args=(cfg,), daemon=True)
+            other.start()
+            time.sleep(8)  # its model loaded and generating
+        times = {c: [] for c in cases}
+        for _ in range(repeats):  # interleaved, so drift hits every case alike
+            for c, fn in cases.items():
+                t0 = time.perf_counter()
+                fn()
+                times[c].append(time.perf_counter() - t0)
+        for c, ts in times.items():
+            print(f"{'beside a generating process' if beside else 'alone':28s} {c:30s} "
+                  f"{statistics.median(ts):.3f}", flush=True)
+        if other is not None:
+            other.terminate()
 
 
 def publish_cost(model_path: str, repeats: int = 5) -> None:

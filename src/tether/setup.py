@@ -8,6 +8,7 @@ trainer ranks (tether.distributed) and `tether probe` each build the parts they 
     load_policy            the model on `run.device` and its tokenizer
     sampling_params        how the generator samples from it
     build_generator        the rollout engine `rollout.engine` names, holding the model's weights
+    scores_old_in_worker   whether rollout workers score pi_old (`loop.score_old` resolved)
 """
 
 from __future__ import annotations
@@ -117,6 +118,14 @@ def build_generator(cfg: Config, model: PreTrainedModel, model_path: Path,
         return generator
     return HFGenerator(model, tokenizer.eos_token_id, tokenizer.pad_token_id, r.precision,
                        r.router_noise, record_routes=record, logit_noise=logit_noise(r))
+
+
+def scores_old_in_worker(cfg: Config) -> bool:
+    """`loop.score_old` resolved: rollout workers score pi_old of their batches (auto: with the
+    hf engine, unless R2 needs the trainer's own pi_old forward)."""
+    if cfg.loop.score_old == "auto":
+        return cfg.rollout.engine == "hf" and cfg.train.routing_replay != "r2"
+    return cfg.loop.score_old == "worker"
 
 
 def logit_noise(r: RolloutConfig) -> tuple[float, int, float, float] | None:

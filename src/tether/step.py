@@ -33,7 +33,14 @@ from tether.models.routing import is_moe
 from tether.monitor import current_model_monitor
 from tether.rollout.types import Rollout, SamplingParams
 from tether.tasks.base import is_correct
-from tether.trainer import RolloutTensors, Trainer, group_advantages, mean_metrics, score_batch
+from tether.trainer import (
+    RolloutTensors,
+    TokenScorer,
+    Trainer,
+    group_advantages,
+    mean_metrics,
+    score_batch,
+)
 from tether.weights.snapshots import SnapshotStore
 
 log = logging.getLogger("tether.diagnostics")
@@ -41,7 +48,7 @@ log = logging.getLogger("tether.diagnostics")
 ModelAt = Callable[[int], nn.Module]  # weight version -> a model holding it
 
 
-def score_old(trainer: Trainer, batch: RolloutTensors,
+def score_old(trainer: TokenScorer, batch: RolloutTensors,
               model_at: ModelAt) -> tuple[torch.Tensor, torch.Tensor | None, RolloutTensors]:
     """`logp_old` (B, T) and top-K (B, T, K): each token at the version that sampled it; and
     the batch the training forwards are to score.
@@ -53,6 +60,7 @@ def score_old(trainer: Trainer, batch: RolloutTensors,
     these forwards chose (`routed_experts`), which the `logp` forwards then replay; a
     partial rollout's position takes them from the version of the token it predicts.
     Otherwise the batch is returned as it came (under R3 it carries the generator's).
+    `trainer`: the `Trainer`, or a rollout worker's `TokenScorer` (`loop.score_old=worker`).
     """
     r2 = trainer.cfg.routing_replay == "r2"
     valid = batch.response_mask.bool()
@@ -98,9 +106,13 @@ class OldLogprobs:
 def old_logprobs(trainer: Trainer, batch: RolloutTensors,
                  snapshots: SnapshotStore) -> tuple[OldLogprobs, RolloutTensors]:
     """pi_old of `batch` and the batch the training forwards are to score (`score_old`):
-    scored at the versions that sampled each token (the trainer's own weights for its
-    current version, else the kept snapshot), or left to the training forward when that
-    gives the same numbers without a forward of its own."""
+    as the rollout worker scored it (`loop.score_old=worker`: the same code at the same
+    versions, off the trainer's critical path), or left to the training forward when that
+    gives the same numbers without a forward of its own, or scored here at the versions
+    that sampled each token (the trainer's own weights for its current version, else the
+    kept snapshot)."""
+    if batch.logp_old is not None:
+        return OldLogprobs(batch.logp_old, batch.topk_logp_old), batch
     if reuses_training_forward(trainer, batch):
         return OldLogprobs(None, None), batch
     model_at = lambda v: trainer.model if v == trainer.version else snapshots.model_at(v)

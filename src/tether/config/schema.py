@@ -73,6 +73,13 @@ class Config(Node):
                 "cannot take new weights between decode steps of a running batch; use "
                 "rollout.engine=hf or loop.partial=false"
             )
+        if self.loop.score_old == "worker" and self.train.routing_replay == "r2":
+            raise CrossFieldError(
+                ["loop.score_old", "train.routing_replay"],
+                "loop.score_old=worker with train.routing_replay=r2: R2 replays the experts the "
+                "trainer's own pi_old forward chose, so the trainer scores pi_old; set "
+                "loop.score_old=trainer (or auto)"
+            )
         return self
 
 

@@ -210,6 +210,15 @@ class LoopConfig(Node):
         1, ge=1, json_schema_extra=RESUMABLE,
         description="async: torch CPU threads in each rollout worker.",
     )
+    score_old: Literal["auto", "worker", "trainer"] = Field(
+        "auto", json_schema_extra=RESUMABLE,
+        description="async: where pi_old is scored. worker: each rollout worker scores the batch "
+        "it made, with the trainer's scoring code at the version that sampled each token (one "
+        "more fp32 model copy per worker), so the trainer does no pi_old forward. trainer: the "
+        "trainer scores it from its kept snapshots (one no-grad forward per batch on its "
+        "critical path). auto: worker with rollout.engine=hf, trainer with vllm or "
+        "train.routing_replay=r2. The numbers are the same either way. See docs/async.md.",
+    )
     backend: Literal["local", "ray"] = Field(
         "local", json_schema_extra=RESUMABLE,
         description="async: where rollout workers run. local: processes on this machine, "

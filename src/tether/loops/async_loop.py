@@ -53,13 +53,14 @@ def train_async(cfg: Config, resume: bool = False) -> RunResult:
             result = _next_batch(sched, backend, trainer.version)
             arrived = clock.lap("wait_data")
             batch = collate(result.rollouts, tokenizer.pad_token_id, model.device)
+            clock.lap("collate")
             V = trainer.version
             behind = _behind(batch, V)  # (B, T) versions between the trainer and each token
             if int(behind.max()) > eta:  # a safety net: admission makes this impossible
                 sched.drop(result.item, "over_staleness_bound")
                 continue
-            # 3. pi_old per token at the weights that sampled it (kept snapshots, or the
-            #    training forward when those are the current weights).
+            # 3. pi_old per token at the weights that sampled it: as the worker scored it, or
+            #    from kept snapshots, or the training forward when those are the current weights.
             old, batch = old_logprobs(trainer, batch, snapshots)
             clock.lap("old_logprob")
             # 4. Staleness gate (ess policy, on_trip=regenerate): a batch too stale to learn
@@ -84,14 +85,13 @@ def train_async(cfg: Config, resume: bool = False) -> RunResult:
             # 8. Log, evaluate every E steps; checkpoint; on repeated bad steps or a signal, stop.
             s.end_step({"version": trainer.version, **out.metrics, **diag, **gate.metrics(),
                         **sync_metrics, **_async_metrics(result, batch, behind, sched),
-                        **rate.add(arrived, result, batch, clock.last), **clock.row(),
-                        "time/generate": result.generate_s})
+                        **rate.add(arrived, result, batch, clock.last), **clock.row()})
         return s.finish()
 
 
 def _async_metrics(result: BatchResult, batch: RolloutTensors, behind: torch.Tensor,
                    sched: Scheduler) -> dict[str, float]:
-    """The batch's staleness, the share of partial rollouts, the queue, the worker."""
+    """The batch's staleness, the share of partial rollouts, the queue, the worker's times."""
     valid = batch.response_mask.bool()
     return {"generator_version": int(batch.versions.min()),  # the oldest that sampled it
             "staleness/versions/mean": float(behind[valid].float().mean()),
@@ -100,12 +100,17 @@ def _async_metrics(result: BatchResult, batch: RolloutTensors, behind: torch.Ten
                                       for ro in result.rollouts) / len(result.rollouts),
             "async/queue_depth": float(len(sched.ready)),
             "async/in_flight": float(len(sched.outstanding) - len(sched.ready)),
-            "async/generator_idle": result.idle_s, "async/worker": float(result.worker)}
+            "async/generator_idle": result.idle_s, "async/worker": float(result.worker),
+            # The worker's side of this batch (its time overlaps the trainer's).
+            "worker/generate": result.generate_s, "worker/reward": result.reward_s,
+            "worker/old_logprob": result.old_logprob_s, "worker/load_weights": result.load_s,
+            "time/generate": result.generate_s + result.reward_s}
 
 
 class _Throughput:
     """Samples and response tokens trained per second, counted from the first batch's
-    arrival: the workers' start-up (engine load) is not throughput."""
+    arrival (the workers' start-up, engine load, is not throughput) to the end of this step,
+    the first batch's samples included: its training is in the window."""
 
     def __init__(self) -> None:
         self.first: float | None = None
@@ -115,9 +120,8 @@ class _Throughput:
             now: float) -> dict[str, float]:
         if self.first is None:
             self.first = arrived
-        else:
-            self.samples += len(result.rollouts)
-            self.tokens += int(batch.response_mask.sum())
+        self.samples += len(result.rollouts)
+        self.tokens += int(batch.response_mask.sum())
         elapsed = max(now - self.first, 1e-9)
         return {"async/samples_per_s": self.samples / elapsed,
                 "async/tokens_per_s": self.tokens / elapsed}

@@ -19,6 +19,7 @@ trips (after its step with on_trip=train; before re-issuing it with regenerate),
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from collections.abc import Callable
 from typing import Any
@@ -50,6 +51,9 @@ class Scheduler:
         self.ready: dict[int, BatchResult] = {}  # generated, waiting for their turn
         self.reissue: deque[Attempts] = deque()  # dropped prompts, issued first
         self.dropped_since_log = 0
+        # Seconds since the last row: keeping and freeing snapshots, publishing (packing,
+        # handing over); both count in the row's time/sync.
+        self.timing = {"snapshots": 0.0, "publish": 0.0}
 
     # -- issuing -------------------------------------------------------------------------
 
@@ -117,8 +121,12 @@ class Scheduler:
     # -- publishing ----------------------------------------------------------------------
 
     def publish(self, version: int, weights: dict[str, torch.Tensor]) -> None:
+        t0 = time.perf_counter()
         self.snapshots.put(version, weights)  # pi_old of whatever it samples
+        t1 = time.perf_counter()
         self.backend.publish(version, weights)
+        self.timing["snapshots"] += t1 - t0
+        self.timing["publish"] += time.perf_counter() - t1
 
     def after_step(self, trainer_version: int, weights: dict[str, torch.Tensor],
                    tripped: bool) -> dict[str, float]:
@@ -131,13 +139,17 @@ class Scheduler:
             self.publish(V, weights)
         oldest = min((it.min_version for it in self.outstanding.values()),
                      default=self.backend.version)
+        t0 = time.perf_counter()
         freed = self.snapshots.release({v for v in self.snapshots.versions if v >= oldest})
-        out = {"sync/synced": float(due and behind > 0),
+        self.timing["snapshots"] += time.perf_counter() - t0
+        out = {**{f"time/{k}": v for k, v in self.timing.items()},
+               "sync/synced": float(due and behind > 0),
                "sync/published_version": float(self.backend.version),
                "snapshots/count": float(len(self.snapshots)),
                "snapshots/bytes": float(self.snapshots.nbytes), "snapshots/freed": float(len(freed)),
                "async/dropped": float(self.dropped_since_log)}
         self.dropped_since_log = 0
+        self.timing = dict.fromkeys(self.timing, 0.0)
         return out
 
     # -- checkpoint hooks ----------------------------------------------------------------

@@ -66,16 +66,16 @@ class RolloutActor:
 
     def make(self, item: WorkItem) -> BatchResult:
         """Load the newest version offered (if newer than the engine's), then the batch."""
-        generator = self.engine.generator
-        if self.offered is not None and self.offered[0] > generator.version:
+        engine = self.engine
+        if self.offered is not None and self.offered[0] > engine.version:
             version, layout, buffer = ray.get(self.offered[1][0])
             with warnings.catch_warnings():  # the object store's buffer is read-only; the
                 warnings.simplefilter("ignore")  # engine copies it into its own weights
                 packed = PackedWeights(version, torch.from_numpy(buffer), layout)
-            generator.load_weights(packed.state_dict(), version)
+            engine.load_weights(packed.state_dict(), version)
         # Calls run in order and the publish an item's min_version names preceded the item.
-        if generator.version < item.min_version:
-            raise RuntimeError(f"worker {self.engine.index} holds version {generator.version} "
+        if engine.version < item.min_version:
+            raise RuntimeError(f"worker {engine.index} holds version {engine.version} "
                                f"< the item's min_version {item.min_version}")
         result = self.engine.make(item, time.perf_counter() - self.idle_since)
         self.idle_since = time.perf_counter()

@@ -51,6 +51,11 @@ class Rollout:
     # forwarded, prompt then response but its last token: (len(prompt_ids) + len(response_ids)
     # - 1, MoE layers, top-k), uint8 (int16 beyond 256 experts); tether.models.routing.
     routed_experts: np.ndarray | None = None
+    # pi_old scored where the rollout was made (async, `loop.score_old=worker`): each token's
+    # log-prob under the trainer's scoring at the version that sampled it, and at the top-K
+    # ids. None: the trainer scores it.
+    logp_old: list[float] | None = None  # (len(response_ids),)
+    topk_logp_old: list[list[float]] | None = None  # (len(response_ids), K)
     reward: float | None = None  # filled in by the task
     reward_parts: dict[str, float] = field(default_factory=dict)
 

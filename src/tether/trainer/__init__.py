@@ -14,6 +14,7 @@ from tether.trainer.core import Trainer, combine, mean_metrics
 from tether.trainer.scoring import (
     LOGP_FLOOR,
     Scores,
+    TokenScorer,
     autocast,
     decode,
     forward,
@@ -22,6 +23,6 @@ from tether.trainer.scoring import (
     token_logprobs,
 )
 
-__all__ = ["LOGP_FLOOR", "Collective", "RolloutTensors", "Scores", "Solo", "Trainer", "autocast",
-           "collate", "combine", "decode", "forward", "group_advantages", "mean_metrics",
-           "score_batch", "score_tokens", "token_logprobs"]
+__all__ = ["LOGP_FLOOR", "Collective", "RolloutTensors", "Scores", "Solo", "TokenScorer",
+           "Trainer", "autocast", "collate", "combine", "decode", "forward", "group_advantages",
+           "mean_metrics", "score_batch", "score_tokens", "token_logprobs"]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
+from itertools import chain
 
 import torch
 
@@ -27,6 +28,10 @@ class RolloutTensors:
     # MoE routing replay: the experts every trainer forward on this batch uses at each
     # position, (B, P+T, layers, k) uint8/int16; None: the routers choose (no replay).
     routed_experts: torch.Tensor | None = None
+    # pi_old as scored where the batch was made (async workers, `loop.score_old=worker`), at
+    # each token's version; None: the trainer scores it (tether.step.old_logprobs).
+    logp_old: torch.Tensor | None = None  # (B, T)
+    topk_logp_old: torch.Tensor | None = None  # (B, T, K)
 
     @property
     def versions(self) -> torch.Tensor:
@@ -53,50 +58,71 @@ class RolloutTensors:
 
 def collate(rollouts: list[Rollout], pad_id: int, device: torch.device | str = "cpu") -> RolloutTensors:
     """Rollouts -> tensors on `device`, token ids untouched (a sampled pad or a mid-group eos
-    stays as is). Built on the host, then moved in one transfer per field."""
+    stays as is). Built on the host, one tensor per field from the rollouts' lists chained
+    (not one per row: a 256-row batch would make a thousand small tensors), then moved in
+    one transfer per field."""
     B = len(rollouts)
     if B == 0:
         raise ValueError("collate: empty list of rollouts")
     P = max(len(r.prompt_ids) for r in rollouts)
     T = max(len(r.response_ids) for r in rollouts)
+    p_row, p_col = _ragged([len(r.prompt_ids) for r in rollouts])
+    row, col = _ragged([len(r.response_ids) for r in rollouts])  # every response token
+
+    def flat(lists: list[list], dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return torch.tensor(list(chain.from_iterable(lists)), dtype=dtype)
+
     input_ids = torch.full((B, P + T), pad_id, dtype=torch.long)
     attn = torch.zeros((B, P + T), dtype=torch.long)
+    p_start = P - torch.tensor([len(r.prompt_ids) for r in rollouts])  # left padding
+    input_ids[p_row, p_start[p_row] + p_col] = flat([r.prompt_ids for r in rollouts], torch.long)
+    attn[p_row, p_start[p_row] + p_col] = 1
+    input_ids[row, P + col] = flat([r.response_ids for r in rollouts], torch.long)
+    attn[row, P + col] = 1
+
+    def per_token(lists: list[list], dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """(B, T) or (B, T, K): each row's list at its response positions, zeros after."""
+        values = flat(lists, dtype)
+        out = values.new_zeros((B, T, *values.shape[1:]))
+        out[row, col] = values
+        return out
+
     resp_mask = torch.zeros((B, T))
-    logp_rollout = torch.zeros((B, T))
+    resp_mask[row, col] = 1
     K = len(rollouts[0].topk_ids[0]) if rollouts[0].topk_ids else 0
-    topk_ids = torch.zeros((B, T, K), dtype=torch.long) if K else None
-    topk_lp = torch.zeros((B, T, K)) if K else None
     token_versions = torch.tensor([r.version for r in rollouts])[:, None].repeat(1, T)
+    if any(r.token_versions is not None for r in rollouts):  # partial rollouts
+        token_versions[row, col] = flat([r.token_versions or [r.version] * len(r.response_ids)
+                                         for r in rollouts], torch.long)
     routed = _routes_buffer(rollouts, P + T)
-    for i, r in enumerate(rollouts):
+    for i, r in enumerate(rollouts) if routed is not None else ():
         p, n = len(r.prompt_ids), len(r.response_ids)
-        input_ids[i, P - p:P] = torch.tensor(r.prompt_ids)
-        input_ids[i, P:P + n] = torch.tensor(r.response_ids, dtype=torch.long)
-        attn[i, P - p:P + n] = 1
-        resp_mask[i, :n] = 1
-        logp_rollout[i, :n] = torch.tensor(r.logp_rollout)
-        if r.token_versions is not None:
-            token_versions[i, :n] = torch.tensor(r.token_versions)
-        if K:
-            topk_ids[i, :n] = torch.tensor(r.topk_ids)
-            topk_lp[i, :n] = torch.tensor(r.topk_logp)
-        if routed is not None:
-            routed[i, P - p:P + n - 1] = torch.from_numpy(r.routed_experts)
+        routed[i, P - p:P + n - 1] = torch.from_numpy(r.routed_experts)
+    carried = all(r.logp_old is not None for r in rollouts)  # pi_old scored by the worker
     batch = RolloutTensors(
         input_ids=input_ids,
         attention_mask=attn,
         response_ids=input_ids[:, P:].clone(),
         response_mask=resp_mask,
-        logp_rollout=logp_rollout,
+        logp_rollout=per_token([r.logp_rollout for r in rollouts]),
         rewards=torch.tensor([float(r.reward or 0.0) for r in rollouts]),
         group_ids=torch.tensor([r.group_id for r in rollouts]),
         token_versions=token_versions,
-        topk_ids=topk_ids,
-        topk_logp_rollout=topk_lp,
+        topk_ids=per_token([r.topk_ids for r in rollouts], torch.long) if K else None,
+        topk_logp_rollout=per_token([r.topk_logp for r in rollouts]) if K else None,
         routed_experts=routed,
+        logp_old=per_token([r.logp_old for r in rollouts]) if carried else None,
+        topk_logp_old=per_token([r.topk_logp_old for r in rollouts]) if carried and K else None,
     )
     return batch.to(device)
 
+
+def _ragged(lengths: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(row, column) of every element of rows of these lengths, row by row."""
+    n = torch.tensor(lengths)
+    row = torch.repeat_interleave(torch.arange(len(lengths)), n)
+    starts = torch.cumsum(n, 0) - n
+    return row, torch.arange(int(n.sum())) - starts[row]
 
 
 def _routes_buffer(rollouts: list[Rollout], width: int) -> torch.Tensor | None:

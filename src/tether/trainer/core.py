@@ -20,16 +20,16 @@ from tether.guards import StepGuard, first_nonfinite
 from tether.rollout.types import SamplingParams
 from tether.trainer.batch import RolloutTensors
 from tether.trainer.collective import Collective, Solo
-from tether.trainer.scoring import Scores, score_batch, token_logprobs
+from tether.trainer.scoring import TokenScorer, token_logprobs
 
 
-class Trainer:
-    """Holds the trained model and its optimizer; counts weight versions (one per step)."""
+class Trainer(TokenScorer):
+    """Holds the trained model and its optimizer; counts weight versions (one per step).
+    Scores tokens as `TokenScorer` (`score`, `score_old`)."""
 
     def __init__(self, model: PreTrainedModel, cfg: TrainConfig, sampling: SamplingParams):
+        super().__init__(cfg, sampling)
         self.model = model
-        self.cfg = cfg
-        self.sampling = sampling
         self.estimator = build_estimator(cfg.estimator, **cfg.estimator_params)
         self.optimizer = torch.optim.AdamW(
             model.parameters(), lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay
@@ -52,20 +52,6 @@ class Trainer:
         self.optimizer.load_state_dict(state["optimizer"])
         self.version = int(state["version"])
         self.guard.load_state_dict(state["guard"])
-
-    @torch.no_grad()
-    def score_old(
-        self, batch: RolloutTensors, model: PreTrainedModel
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Log-probs (and top-K) of the batch's tokens under `model`, micro-batched, without
-        grad: pi_old when `model` holds the weights that sampled them."""
-        scores = self.score(batch, model)
-        return scores.logp, scores.topk
-
-    def score(self, batch: RolloutTensors, model: PreTrainedModel, record: bool = False) -> Scores:
-        """`score_batch` in `train.micro_batch` rows (`record`: also the experts used)."""
-        return score_batch(model, batch, self.sampling, self.cfg.micro_batch, record,
-                           self.cfg.precision)
 
     def train_on(
         self,

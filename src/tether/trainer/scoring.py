@@ -18,6 +18,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 from transformers import DynamicCache, PreTrainedModel
 
+from tether.config import TrainConfig
 from tether.models.routing import pad_routes, route
 from tether.rollout.sampling import distinct_prompts, process_logits
 from tether.rollout.types import SamplingParams
@@ -220,3 +221,27 @@ def token_logprobs(
     """(logp (B, T), top-K logp (B, T, K) or None) of `score_tokens`. Padding positions hold 0."""
     scores = score_tokens(model, batch, sampling, precision=precision)
     return scores.logp, scores.topk
+
+
+class TokenScorer:
+    """The trainer's scoring: its processed distribution (`sampling`), `train.micro_batch`
+    rows per forward and `train.precision`. The `Trainer` scores with it; so does a rollout
+    worker that scores pi_old of its own batch (`loop.score_old=worker`), so both give the
+    same numbers for the same batch and weights."""
+
+    def __init__(self, cfg: TrainConfig, sampling: SamplingParams):
+        self.cfg, self.sampling = cfg, sampling
+
+    def score(self, batch: RolloutTensors, model: PreTrainedModel, record: bool = False) -> Scores:
+        """`score_batch` in `train.micro_batch` rows (`record`: also the experts used)."""
+        return score_batch(model, batch, self.sampling, self.cfg.micro_batch, record,
+                           self.cfg.precision)
+
+    @torch.no_grad()
+    def score_old(
+        self, batch: RolloutTensors, model: PreTrainedModel
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Log-probs (and top-K) of the batch's tokens under `model`, micro-batched, without
+        grad: pi_old when `model` holds the weights that sampled them."""
+        scores = self.score(batch, model)
+        return scores.logp, scores.topk

@@ -90,10 +90,12 @@ class SharedMemoryPublisher:
 
 
 class WeightSubscriber:
-    """A worker's end: loads the newest version from its queue into its engine."""
+    """A worker's end: loads the newest version from its queue into its engine (anything
+    with `load_weights(state_dict, version)`: a generator, or tether.rollout.worker's
+    `RolloutEngine`)."""
 
-    def __init__(self, queue: Any, generator: Any):
-        self.queue, self.generator = queue, generator
+    def __init__(self, queue: Any, engine: Any):
+        self.queue, self.engine = queue, engine
         self.version = -1
 
     def poll(self) -> bool:
@@ -116,6 +118,6 @@ class WeightSubscriber:
     def _load(self, packed: PackedWeights) -> bool:
         if packed.version <= self.version:
             return False
-        self.generator.load_weights(packed.state_dict(), packed.version)
+        self.engine.load_weights(packed.state_dict(), packed.version)
         self.version = packed.version
         return True
