@@ -85,7 +85,9 @@ def run_one(common: list[str], extra: list[str]) -> dict[str, float]:
         sps = last["async/samples_per_s"]
     else:
         sps = batch * (len(rows) - 1) / sum(r["time/step"] for r in rows[1:])
-    phases = {k: sum(r.get(k, 0.0) for r in rows[1:]) for k in (*TRAINER, *WORKER, "time/step")}
+    # time/generate: the sync loop's generation; in async runs the worker's generate + reward.
+    phases = {k: sum(r.get(k, 0.0) for r in rows[1:])
+              for k in (*TRAINER, *WORKER, "time/generate", "time/step")}
     stale = [r.get("staleness/versions/mean", 0.0) for r in rows]
     return {"samples_per_s": sps, "accuracy_sampled": last["eval/accuracy_sampled"],
             "accuracy_greedy": last["eval/accuracy"], "wall_s": wall,
@@ -93,9 +95,9 @@ def run_one(common: list[str], extra: list[str]) -> dict[str, float]:
 
 
 # The per-side breakdown: the trainer's phases (time/sync holds publish and snapshots) and,
-# in async runs, the worker's (overlapping the trainer's; time/generate = its generate + reward).
+# in async runs, the worker's (overlapping the trainer's).
 TRAINER = ("time/wait_data", "time/collate", "time/old_logprob", "time/train",
-           "time/diagnostics", "time/sync", "time/publish", "time/snapshots", "time/generate")
+           "time/diagnostics", "time/sync", "time/publish", "time/snapshots")
 WORKER = ("worker/generate", "worker/reward", "worker/old_logprob", "worker/load_weights",
           "async/generator_idle")
 
@@ -104,20 +106,19 @@ def breakdown(runs: list[dict]) -> None:
     """Seconds per step by phase on each side. The trainer's `sync` holds its `publish` and
     `snapshots`; the worker's columns are per batch and overlap the trainer's (the sync
     loop generates on the trainer's side, shown under the generator's columns)."""
-    trainer = [k for k in TRAINER if k != "time/generate"]
-    name = {k: k.split("/")[-1] for k in (*trainer, *WORKER)} | {
+    name = {k: k.split("/")[-1] for k in (*TRAINER, *WORKER)} | {
         "time/wait_data": "wait", "time/old_logprob": "pi_old", "time/diagnostics": "diag",
         "worker/old_logprob": "pi_old", "worker/load_weights": "load",
         "async/generator_idle": "idle"}
     print("\nWhere the time goes, seconds per step")
     print(f"{'':27s}trainer{'':58s}generator")
-    print(f"{'run':26s} " + " ".join(f"{name[k]:>7s}" for k in trainer) + f" {'step':>7s}  | "
+    print(f"{'run':26s} " + " ".join(f"{name[k]:>7s}" for k in TRAINER) + f" {'step':>7s}  | "
           + " ".join(f"{name[k]:>7s}" for k in WORKER))
     for r in runs:
         n = r["steps_timed"]
         gen = [r["time/generate"] if k == "worker/generate" and r["run"] == "sync" else r[k]
                for k in WORKER]
-        print(f"{r['engine'] + ' ' + r['run']:26s} " + " ".join(f"{r[k] / n:7.3f}" for k in trainer)
+        print(f"{r['engine'] + ' ' + r['run']:26s} " + " ".join(f"{r[k] / n:7.3f}" for k in TRAINER)
               + f" {r['time/step'] / n:7.3f}  | " + " ".join(f"{v / n:7.3f}" for v in gen))
 
 
@@ -182,19 +183,12 @@ def main() -> None:
 
 def _generate_forever(cfg) -> None:
     """A rollout worker's load: sample and reward batches until terminated."""
-    import torch
+    from tether.rollout.worker import RolloutEngine, WorkItem
 
-    from tether.rollout.worker import rewarded_rollouts
-    from tether.setup import build_generator, build_task_and_reward, load_policy, sampling_params
-
-    torch.set_num_threads(1)
-    task, reward_fn = build_task_and_reward(cfg)
-    path, model, tok = load_policy(cfg)
-    gen = build_generator(cfg, model, path, tok)
-    sampling = sampling_params(cfg, model.config.vocab_size)
-    for seed in iter(int, 1):
-        rewarded_rollouts(gen, tok, task, reward_fn, list(range(cfg.rollout.prompts_per_step)),
-                          sampling, seed)
+    engine = RolloutEngine(0, cfg, cfg.model.path)  # one torch thread (loop.worker_threads)
+    prompts = tuple(range(cfg.rollout.prompts_per_step))
+    for slot in iter(int, 1):
+        engine.make(WorkItem(slot, prompts, (0,) * len(prompts), 0, slot), 0.0)
 
 
 def pi_old_cost(model_path: str, prompts: int, group: int, new_tokens: int,
@@ -202,31 +196,29 @@ def pi_old_cost(model_path: str, prompts: int, group: int, new_tokens: int,
     """Median seconds of the async trainer's pi_old forward on one batch: at the trainer's own
     model, at the snapshot model (loaded once), and at the snapshot model reloaded every call
     (as when each batch is at a new version); alone, then beside a process that generates
-    (the rollout worker on the other core). One torch thread each."""
+    (the rollout worker on the other core, pi_old left to the trainer). One torch thread each."""
     import multiprocessing
     import statistics
 
     import torch
 
     from tether.config import load_config
-    from tether.rollout.worker import rewarded_rollouts
-    from tether.setup import build_generator, build_task_and_reward, load_policy, sampling_params
+    from tether.rollout.worker import RolloutEngine, WorkItem
+    from tether.setup import load_policy, sampling_params
     from tether.trainer import Trainer, collate
     from tether.weights import SnapshotStore
 
     torch.set_num_threads(1)
     cfg = load_config("configs/countdown.yaml", [f"model.path={model_path}",
                       f"rollout.prompts_per_step={prompts}", f"rollout.group_size={group}",
-                      f"rollout.max_new_tokens={new_tokens}"])
-    task, reward_fn = build_task_and_reward(cfg)
-    path, model, tok = load_policy(cfg)
-    sampling = sampling_params(cfg, model.config.vocab_size)
-    trainer = Trainer(model, cfg.train, sampling)
+                      f"rollout.max_new_tokens={new_tokens}", "loop.score_old=trainer"])
+    _, model, tok = load_policy(cfg)
+    trainer = Trainer(model, cfg.train, sampling_params(cfg, model.config.vocab_size))
     snapshots = SnapshotStore(model)
     for v in (0, 1):
         snapshots.put(v, model.state_dict())
-    batch = collate(rewarded_rollouts(build_generator(cfg, model, path, tok), tok, task,
-                                      reward_fn, list(range(prompts)), sampling, 1), tok.pad_token_id)
+    item = WorkItem(0, tuple(range(prompts)), (0,) * prompts, 0, 1)
+    batch = collate(RolloutEngine(0, cfg, model_path).make(item, 0.0).rollouts, tok.pad_token_id)
     flip = [0]
 
     def reloaded():

@@ -142,9 +142,10 @@ class RolloutEngine:
         t1 = time.perf_counter()
         add_rewards(self.tokenizer, self.reward_fn, problems, rollouts)
         t2 = time.perf_counter()
+        scored = 0.0
         if self.scorer is not None:
             self.scorer(rollouts)
-        scored = time.perf_counter() - t2 if self.scorer is not None else 0.0
+            scored = time.perf_counter() - t2
         loaded += self.load_s
         self.load_s = 0.0
         return BatchResult(item, rollouts, self.index, max(0.0, idle_s - loaded), t1 - t0,

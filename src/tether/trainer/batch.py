@@ -66,7 +66,8 @@ def collate(rollouts: list[Rollout], pad_id: int, device: torch.device | str = "
         raise ValueError("collate: empty list of rollouts")
     P = max(len(r.prompt_ids) for r in rollouts)
     T = max(len(r.response_ids) for r in rollouts)
-    p_row, p_col = _ragged([len(r.prompt_ids) for r in rollouts])
+    p_len = [len(r.prompt_ids) for r in rollouts]
+    p_row, p_col = _ragged(p_len)
     row, col = _ragged([len(r.response_ids) for r in rollouts])  # every response token
 
     def flat(lists: list[list], dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -74,7 +75,7 @@ def collate(rollouts: list[Rollout], pad_id: int, device: torch.device | str = "
 
     input_ids = torch.full((B, P + T), pad_id, dtype=torch.long)
     attn = torch.zeros((B, P + T), dtype=torch.long)
-    p_start = P - torch.tensor([len(r.prompt_ids) for r in rollouts])  # left padding
+    p_start = P - torch.tensor(p_len)  # left padding
     input_ids[p_row, p_start[p_row] + p_col] = flat([r.prompt_ids for r in rollouts], torch.long)
     attn[p_row, p_start[p_row] + p_col] = 1
     input_ids[row, P + col] = flat([r.response_ids for r in rollouts], torch.long)
@@ -95,9 +96,10 @@ def collate(rollouts: list[Rollout], pad_id: int, device: torch.device | str = "
         token_versions[row, col] = flat([r.token_versions or [r.version] * len(r.response_ids)
                                          for r in rollouts], torch.long)
     routed = _routes_buffer(rollouts, P + T)
-    for i, r in enumerate(rollouts) if routed is not None else ():
-        p, n = len(r.prompt_ids), len(r.response_ids)
-        routed[i, P - p:P + n - 1] = torch.from_numpy(r.routed_experts)
+    if routed is not None:
+        for i, r in enumerate(rollouts):
+            p, n = len(r.prompt_ids), len(r.response_ids)
+            routed[i, P - p:P + n - 1] = torch.from_numpy(r.routed_experts)
     carried = all(r.logp_old is not None for r in rollouts)  # pi_old scored by the worker
     batch = RolloutTensors(
         input_ids=input_ids,
