@@ -5,6 +5,7 @@
     python benchmarks/async.py --engines hf --backends local,ray --workers 1,2   # + Ray rows
     python benchmarks/async.py --publish-cost        # what publishing one version costs
     python benchmarks/async.py --pi-old-cost         # what the trainer's pi_old forward costs
+    python benchmarks/async.py --dlc                 # E-DLC's race: fixed vs ESS window
 
 Every run trains the same model on the same Countdown prompts, with the same batch
 (prompts x group), response length, learning rate and number of steps, so the same
@@ -32,6 +33,14 @@ batch (worker/*: sampling, reward, pi_old, weight loads, idle), which overlap th
 state dict, then handing it over by shared memory (local) or `ray.put` plus an actor's
 fetch (ray), for the model and for a 1 GiB buffer (the per-GB rate that scales to a
 larger model).
+
+`--dlc` runs E-DLC's real race instead (tether.experiments.dlc: its warm start, fp8
+generator, lr 2e-4, 60 steps, estimator dlc with `sync.policy=ess:0.5`, one rollout
+worker, eta = 32): the synchronous loop at lag 0, then the asynchronous one with the fixed
+window (today's: trips publish, batches in flight are trained), and with the ESS window
+(`loop.window=ess`) under each `loop.after_trip` rule. Beside samples/s it reports what
+drops cost: trained samples per generated sample (the rest were generated and dropped),
+the ESS trips, the mean window, and mean and max staleness.
 
 What it leaves out: vLLM's start-up (~20 s) is excluded like the HF worker's.
 """
@@ -65,6 +74,10 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--pi-old-cost", action="store_true",
                    help="time the pi_old forward of one batch (trainer's model, snapshot, "
                    "snapshot reloaded), alone and beside a generating process, and exit")
+    p.add_argument("--dlc", action="store_true",
+                   help="E-DLC's race (fp8, dlc, ess:0.5, eta 32, lr 2e-4, 60 steps): sync at lag "
+                   "0 against async with the fixed window and the ESS window under each "
+                   "loop.after_trip rule; samples/s, trained per generated, staleness")
     p.add_argument("--json", help="also write the table as JSON here")
     return p.parse_args()
 
@@ -91,7 +104,12 @@ def run_one(common: list[str], extra: list[str]) -> dict[str, float]:
     stale = [r.get("staleness/versions/mean", 0.0) for r in rows]
     return {"samples_per_s": sps, "accuracy_sampled": last["eval/accuracy_sampled"],
             "accuracy_greedy": last["eval/accuracy"], "wall_s": wall,
-            "staleness_mean": sum(stale) / len(stale), "steps_timed": len(rows) - 1, **phases}
+            "staleness_mean": sum(stale) / len(stale),
+            "staleness_max": max(r.get("staleness/versions/max", 0.0) for r in rows),
+            "trained_per_generated": last.get("async/trained_per_generated", 1.0),
+            "trips": sum(r.get("sync/tripped", 0.0) for r in rows),
+            "window_mean": sum(r.get("async/window", 0.0) for r in rows) / len(rows),
+            "steps_timed": len(rows) - 1, **phases}
 
 
 # The per-side breakdown: the trainer's phases (time/sync holds publish and snapshots) and,
@@ -136,6 +154,9 @@ def main() -> None:
     if args.pi_old_cost:
         pi_old_cost(model, args.prompts, args.group, args.max_new_tokens)
         return
+    if args.dlc:
+        dlc_race(args)
+        return
     common = [f"model.path={model}", f"train.steps={args.steps}", f"train.lr={args.lr}",
               f"rollout.prompts_per_step={args.prompts}", f"rollout.group_size={args.group}",
               f"rollout.max_new_tokens={args.max_new_tokens}", "run.progress=false",
@@ -177,6 +198,45 @@ def main() -> None:
                            ("generate", "old_logprob", "train", "diagnostics", "sync"))
         print(f"\n{r['engine']} sync step, where the time goes: {shares}; ideal overlap "
               f"speedup with one generator and one trainer: {step / max(r['time/generate'], rest):.2f}x")
+    if args.json:
+        Path(args.json).write_text(json.dumps(runs, indent=1))
+
+
+def dlc_race(args: argparse.Namespace) -> None:
+    """E-DLC's fp8_async row at its settings: what the ESS window and each after_trip rule
+    cost in throughput and buy in staleness, against sync at lag 0 on the same work."""
+    from tether.config import load_config
+    from tether.experiments import dlc
+    from tether.setup import resolve_model_path
+
+    settings = [*dlc.TASK, f"model.warmstart_steps={dlc.WARMSTART_STEPS}",
+                f"train.lr={dlc.LR}", f"train.steps={dlc.STEPS}", "rollout.prompts_per_step=32",
+                "rollout.group_size=8", "rollout.max_new_tokens=12", "rollout.precision=fp8",
+                "train.estimator=dlc", "sync.policy=ess:0.5"]
+    model = args.model or str(resolve_model_path(load_config("configs/countdown.yaml", settings)))
+    common = [*settings, f"model.path={model}", "run.progress=false", "run.threads=1",
+              "eval.every=0", "eval.samples=4", "run.checkpoint_every=0",
+              "diagnostics.monitor_every=0"]
+    race = ["loop.mode=async", "loop.workers=1", f"loop.max_staleness={dlc.LAG}"]
+    rows = [("sync, lag 0", []), ("async, fixed window", race),
+            ("async, ESS window, after_trip=window",
+             [*race, "loop.window=ess", "loop.after_trip=window"]),
+            ("async, ESS window, after_trip=regenerate",
+             [*race, "loop.window=ess", "loop.after_trip=regenerate"])]
+    runs = []
+    for name, extra in rows:
+        res = run_one(common, extra)
+        runs.append({"run": name, **res})
+        print(f"{name:42s} {res['samples_per_s']:7.1f} samples/s  wall {res['wall_s']:.0f}s",
+              flush=True)
+    print(f"\nE-DLC's race: {dlc.STEPS} steps of 32 x 8, fp8 generator, dlc + ess:0.5, lr "
+          f"{dlc.LR}, eta {dlc.LAG}, one torch thread per side, {os.cpu_count()} CPUs")
+    print(f"{'run':42s} {'samples/s':>9s} {'x sync':>6s} {'trained/gen':>11s} {'trips':>5s} "
+          f"{'window':>6s} {'stale mean':>10s} {'stale max':>9s} {'acc sampled':>11s}")
+    for r in runs:
+        print(f"{r['run']:42s} {r['samples_per_s']:9.1f} {r['samples_per_s'] / runs[0]['samples_per_s']:5.2f}x "
+              f"{r['trained_per_generated']:11.2f} {r['trips']:5.0f} {r['window_mean']:6.1f} "
+              f"{r['staleness_mean']:10.2f} {r['staleness_max']:9.0f} {r['accuracy_sampled']:11.3f}")
     if args.json:
         Path(args.json).write_text(json.dumps(runs, indent=1))
 

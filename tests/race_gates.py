@@ -34,6 +34,7 @@ import json
 import multiprocessing
 import os
 import shutil
+import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -62,6 +63,30 @@ def wait_until(done: Callable[[], bool], alive: Callable[[], bool]) -> bool:
             return done()
         time.sleep(POLL_S)
     return True
+
+
+def tether_train(*args: str) -> subprocess.Popen:
+    """`tether train ARGS` in a child process (one torch thread), its output captured."""
+    return subprocess.Popen([sys.executable, "-m", "tether.cli", "train", *args],
+                            env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+
+
+def outpace_training(monkeypatch: Any) -> None:
+    """Generation outpaces training, by construction: the trainer (in this process) takes its
+    next batch only once every batch issued has arrived, so a whole window is sampled before
+    the first of it trains."""
+    from tether.loops import async_loop
+
+    real_next_batch = async_loop._next_batch
+
+    def next_batch_when_all_arrived(sched: Any, backend: Any, trainer_version: int) -> Any:
+        while len(sched.ready) < len(sched.outstanding):
+            for event in backend.receive(timeout=1.0):
+                sched.take(event, trainer_version)
+        return real_next_batch(sched, backend, trainer_version)
+
+    monkeypatch.setattr(async_loop, "_next_batch", next_batch_when_all_arrived)
 
 
 def lines(path: Path) -> int:

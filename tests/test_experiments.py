@@ -155,7 +155,7 @@ def test_only_rejects_unknown_groups(tmp_path, capsys):
 
 def test_full_matrices_are_the_documented_ones():
     dlc = get("dlc").build()
-    assert len(dlc.groups()) == 21 and len(dlc.cells) == 65  # duplicates skipped, 3 seeds (ref 5)
+    assert len(dlc.groups()) == 23 and len(dlc.cells) == 71  # duplicates skipped, 3 seeds (ref 5)
     assert sum(c.scenario == "exact" and c.method == "naive" for c in dlc.cells) == 5
     vespo = get("vespo").build()
     # N = 1: grpo (the reference, 5 seeds) and sapo, the two distinct on-policy gradients;

@@ -35,7 +35,8 @@ own reward function, optional), rollout (engine, generator precision, sampling),
 docs/mismatch.md; data-parallel ranks train.world_size, docs/distributed.md; bf16 autocast
 train.precision=bf16, docs/performance.md), sync (when the generator gets new weights),
 loop (loop.mode=async: rollout workers generate while the trainer trains, loop.workers,
-loop.max_staleness, loop.partial, docs/async.md; loop.backend=ray), eval, run (directory,
+loop.max_staleness, loop.window=ess (the ESS governs the staleness window),
+loop.partial, docs/async.md; loop.backend=ray), eval, run (directory,
 seed, run.device=auto|cpu|cuda[:N]). `~key` drops a key the file set.
 Before a run, `tether probe` (same config) measures the generator/trainer mismatch and
 recommends an estimator and sync policy.
@@ -150,10 +151,11 @@ def _cmd_probe(args: argparse.Namespace) -> int:
 
 EXPERIMENT_HELP = """\
 Run one of the papers' experiments on the embedded testbed (DESIGN.md section 7):
-  dlc    dense model, lr 2e-4: generator {exact, bf16, fp8, lag 32, fp8 + lag 32, fp8 in the
-         async loop (eta 32)} x {naive, reweight, tis, tis + ESS re-sync, dlc without
-         re-sync, dlc, dlc under a PPO clip} x 3 seeds (identical cells skipped; the
-         reference exact x naive: 5 seeds)
+  dlc    dense model, lr 2e-4: generator {exact, fp8, lag 32, fp8 + lag 32} x {naive,
+         reweight, tis, tis + ESS re-sync, dlc without re-sync, dlc, dlc under a PPO clip},
+         and fp8 in the async loop (eta 32) x {naive, dlc, dlc with the ESS window under
+         each after_trip rule}, x 3 seeds (identical cells skipped; the reference exact x
+         naive: 5 seeds)
   cis    MoE model: generator {inj (bf16 + router noise + INJECTED heavy-tailed logit noise,
          sized to CIS's Appendix A), inj + outliers} x {tis, cis}; CIS's recipe (inj, 2
          versions stale) x {decoupled, decoupled_cis}; 3 seeds; fp32 reference x 5 seeds

@@ -16,9 +16,12 @@ may sample it with) and, for `trained`, the trainer's version when its training 
 Drop reasons: `in_flight_at_stop` (issued or generated but not trained when the run
 stopped; re-issued on resume), `ess_trip_regenerated` (its batch tripped the ESS re-sync
 with sync.on_trip=regenerate; re-issued at once), `over_staleness_bound` (would be
-trained more than loop.max_staleness versions after its weights; re-issued), `worker_died`
-(its rollout worker died before returning it, loop.backend=ray; the worker is replaced
-and the prompts re-issued at once).
+trained more than loop.max_staleness versions after its weights; re-issued),
+`outside_window` (its turn came with its staleness beyond the window in force, shrunk by
+an ESS trip; re-issued at once), `sampled_before_resync` (sampled before an ESS re-sync,
+loop.after_trip=regenerate; re-issued at once at the new weights), `worker_died` (its
+rollout worker died before returning it, loop.backend=ray; the worker is replaced and
+the prompts re-issued at once).
 
 A checkpoint stores the ledger's length; resuming truncates the file to it, so the ledger
 always agrees with the weights it is resumed with. `audit` checks the whole history.
@@ -35,7 +38,7 @@ from pathlib import Path
 from typing import Any
 
 DROP_REASONS = ("in_flight_at_stop", "ess_trip_regenerated", "over_staleness_bound",
-                "worker_died")
+                "outside_window", "sampled_before_resync", "worker_died")
 
 
 class Ledger:

@@ -74,6 +74,13 @@ def _check_async_policy(cfg: Config, policy: Any) -> None:
     from tether.weights.policy import BoundedK, EveryK
 
     eta = cfg.loop.max_staleness
+    for key, value, other in (("window", cfg.loop.window, "fixed"),
+                              ("after_trip", cfg.loop.after_trip, "window")):
+        if value in ("ess", "regenerate") and not policy.measures_ess:
+            raise ConfigError(
+                f"loop.{key}={value} acts on ESS trips, but sync.policy resolves to "
+                f"{policy.spec}, which never trips: use sync.policy=ess:TAU or loop.{key}={other}"
+            )
     if isinstance(policy, BoundedK) and policy.k != eta:
         raise ConfigError(
             f"sync.policy={policy.spec} with loop.mode=async: in async mode bounded:K is the "
@@ -90,9 +97,14 @@ def _check_async_policy(cfg: Config, policy: Any) -> None:
 
 
 def resolve_sync(cfg: Config) -> Config:
-    """`sync.policy: auto` -> the estimator preset's policy, so the run's config.yaml says which."""
+    """`sync.policy: auto` -> the estimator preset's policy, and `loop.after_trip: auto` ->
+    regenerate under the ESS window, else window; so the run's config.yaml says which."""
     from tether.weights.policy import resolve_policy_spec
 
     spec = resolve_policy_spec(cfg.sync.policy, cfg.train.estimator)
-    return cfg.model_copy(update={"sync": cfg.sync.model_copy(update={"policy": spec})})
+    rule = cfg.loop.after_trip
+    if rule == "auto":
+        rule = "regenerate" if cfg.loop.window == "ess" else "window"
+    return cfg.model_copy(update={"sync": cfg.sync.model_copy(update={"policy": spec}),
+                                  "loop": cfg.loop.model_copy(update={"after_trip": rule})})
 

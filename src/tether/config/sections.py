@@ -198,7 +198,31 @@ class LoopConfig(Node):
         1, ge=0,
         description="async: admission bound eta. A worker starts a batch only if its training "
         "will start at most eta versions after the weights it samples with (AReaL's "
-        "max_head_offpolicyness); nothing is generated only to be thrown away.",
+        "max_head_offpolicyness); nothing is generated only to be thrown away. With "
+        "window=ess, the ceiling of the window the ESS governs.",
+    )
+    window: Literal["fixed", "ess"] = Field(
+        "fixed",
+        description="async: the admission window. fixed: max_staleness, always. ess (needs "
+        "sync.policy=ess:TAU): the ESS governs it between window_min and max_staleness; a batch "
+        "that trips the re-sync halves it (from the smaller of the window and that batch's "
+        "staleness), each trained batch that does not trip widens it by one version; logged as "
+        "async/window. See docs/async.md.",
+    )
+    window_min: int = Field(
+        1, ge=0,
+        description="async, window=ess: the smallest window a trip can leave (0: the processes "
+        "take turns, as in the synchronous loop; 1 keeps one batch generating while one trains).",
+    )
+    after_trip: Literal["auto", "window", "regenerate"] = Field(
+        "auto",
+        description="async: batches sampled before an ESS re-sync and still queued or in flight "
+        "when it happens. window: each is trained only if its staleness is within the window in "
+        "force at its turn, else dropped (ledger reason outside_window) and its prompts issued "
+        "again. regenerate: every one is dropped (sampled_before_resync) and issued again at the "
+        "new weights. auto: regenerate with window=ess (it held dlc closer to on-policy in "
+        "E-DLC's race, RESULTS.md), window with a fixed window (every batch admitted is trained, "
+        "as before the ESS window existed). With no ess policy nothing is ever dropped.",
     )
     partial: bool = Field(
         False,
@@ -251,6 +275,15 @@ class LoopConfig(Node):
             raise CrossFieldError(["loop.backend", "loop.mode"],
                                   "loop.backend=ray places the asynchronous loop's rollout "
                                   "workers: set loop.mode=async (the synchronous loop has no workers)")
+        if self.mode != "async" and (self.window != "fixed" or self.after_trip == "regenerate"):
+            raise CrossFieldError(["loop.window", "loop.after_trip", "loop.mode"],
+                                  "loop.window and loop.after_trip govern the asynchronous loop's "
+                                  "admission: set loop.mode=async (the synchronous loop's batch is "
+                                  "never in flight across a re-sync)")
+        if self.window_min > self.max_staleness:
+            raise CrossFieldError(["loop.window_min", "loop.max_staleness"],
+                                  f"loop.window_min ({self.window_min}) must be <= "
+                                  f"loop.max_staleness ({self.max_staleness}), the window's ceiling")
         if self.backend == "ray" and self.partial:
             raise CrossFieldError(["loop.partial", "loop.backend"],
                                   "loop.partial=true with loop.backend=ray: a Ray actor loads new "

@@ -137,6 +137,8 @@ def cell_stats(rows: list[dict]) -> dict[str, float | int | str | None]:
         "final_accuracy": float(acc[-1]) if len(acc) else float("nan"),
         "trainer_metric": headline,
         "final_trainer": _last(rows, headline),
+        # The mean of the last 3 evaluations: one evaluation's draws add their own noise.
+        "last3_trainer": float(trainer[-3:].mean()) if len(trainer) else float("nan"),
         "best_trainer": float(trainer.max()) if len(trainer) else float("nan"),
         "collapsed_trainer": bool(len(trainer) and trainer[-1] < 0.5 * trainer.max()),
         "final_reward_sampled": _last(rows, "eval/reward_sampled"),
@@ -283,6 +285,7 @@ def summarize(out: Path, probe_tokens: int = 16,
     ref_r, sig_r = _mean_std([c["final_reward"] for c in ref_cells])
     ref_a, sig_a = _mean_std([c["final_accuracy"] for c in ref_cells])
     ref_t, sig_t = _mean_std([c["final_trainer"] for c in ref_cells])
+    ref_l3, sig_l3 = _mean_std([c["last3_trainer"] for c in ref_cells])
     groups = []
     for scen, meth in dict.fromkeys((c["scenario"], c["method"]) for c in cells.values()):
         members = [c for c in cells.values() if c["scenario"] == scen and c["method"] == meth]
@@ -291,7 +294,8 @@ def summarize(out: Path, probe_tokens: int = 16,
                     "resyncs", "is_second_moment", "is_adv_second_moment",
                     "corr_second_moment", "corr_adv_second_moment", "numerical_k3",
                     "staleness_k3", "step_seconds", "probe_kl_to_ref", "best_reward_smoothed",
-                    "mean_staleness", "max_staleness", "wall_seconds", "best_trainer"):
+                    "mean_staleness", "max_staleness", "wall_seconds", "best_trainer",
+                    "last3_trainer"):
             g[key], g[key + "_std"] = _mean_std([m[key] for m in members])
         steps = [m["ess_below_0.5_step"] for m in members]
         g["ess_below_0.5_step"] = min((s for s in steps if s is not None), default=None)
@@ -301,6 +305,9 @@ def summarize(out: Path, probe_tokens: int = 16,
         g["accuracy_dev_sigma"] = abs(g["final_accuracy"] - ref_a) / sig_a if sig_a > 0 else float("nan")
         g["trainer_dev_sigma"] = abs(g["final_trainer"] - ref_t) / sig_t if sig_t > 0 else float("nan")
         g["trainer_ratio"] = g["final_trainer"] / ref_t if ref_t > 0 else float("nan")
+        g["last3_dev_sigma"] = (abs(g["last3_trainer"] - ref_l3) / sig_l3 if sig_l3 > 0
+                                else float("nan"))
+        g["last3_ratio"] = g["last3_trainer"] / ref_l3 if ref_l3 > 0 else float("nan")
         g["leaves_band_step"] = leaves_band(
             [cell_rows(out, n) for n, c in cells.items() if (c["scenario"], c["method"]) == (scen, meth)],
             [cell_rows(out, n) for n, c in cells.items() if (c["scenario"], c["method"]) == ref],
@@ -311,7 +318,8 @@ def summarize(out: Path, probe_tokens: int = 16,
     summary = {"experiment": meta["name"], "reference": list(ref), "reference_reward": ref_r,
                "reference_reward_sigma": sig_r, "reference_accuracy": ref_a,
                "reference_accuracy_sigma": sig_a, "reference_trainer": ref_t,
-               "reference_trainer_sigma": sig_t,
+               "reference_trainer_sigma": sig_t, "reference_last3": ref_l3,
+               "reference_last3_sigma": sig_l3,
                "trainer_metric": ref_cells[0]["trainer_metric"] if ref_cells else None,
                "reference_probe_kl_spread": ref_spread,
                "cells": cells, "groups": groups, "unfinished": unfinished}

@@ -21,7 +21,12 @@ asynchronous loop (`loop.mode=async`, one rollout worker process, admission boun
 eta = `loop.max_staleness` = k, `sync.lag=0`), where staleness is what the race gives,
 up to k versions. naive publishes lazily under `bounded:k` (the generator runs up to k
 versions behind, as at lag k), dlc keeps its `ess:0.5` (lazy, plus a publish when the
-ESS trips).
+ESS trips) with the fixed window: the batches already in flight at a trip are trained.
+`dlc_window` lets the ESS govern the window (`loop.window=ess`, ceiling k) and trains a
+batch in flight at a trip only within the shrunken window (`loop.after_trip=window`);
+`dlc_regen` drops every batch sampled before the re-sync (`loop.after_trip=regenerate`).
+`extend` computes the race's verdicts: dlc's mean staleness against naive's, and the
+last-3 evaluations' mean against the reference's, in its sigma.
 
 What it simplifies, to fit 60 minutes on 2 cores: cells that are provably the same run
 are not repeated. With lag 0 there is no staleness, so the re-sync variants equal their
@@ -35,6 +40,8 @@ The testbed is the calibrated one (WARMSTART_STEPS, LR; docs/experiments.md): la
 """
 
 from __future__ import annotations
+
+from pathlib import Path
 
 from tether.experiments.runner import Cell, Experiment
 
@@ -50,8 +57,15 @@ METHODS = {
     "dlc_noresync": ["train.estimator=dlc", "sync.policy=every:1"],
     "dlc": ["train.estimator=dlc", "sync.policy=ess:0.5"],
     "dlc_clip": ["train.estimator=dlc_clip", "sync.policy=ess:0.5"],
+    # The asynchronous race only: the window the ESS governs, and the two after_trip rules.
+    "dlc_window": ["train.estimator=dlc", "sync.policy=ess:0.5", "loop.window=ess",
+                   "loop.after_trip=window"],
+    "dlc_regen": ["train.estimator=dlc", "sync.policy=ess:0.5", "loop.window=ess",
+                  "loop.after_trip=regenerate"],
 }
-STALE_METHODS = list(METHODS)  # every method under lag: the paper's comparison
+ASYNC_ONLY = ("dlc_window", "dlc_regen")
+ASYNC_METHODS = ["naive", "dlc", *ASYNC_ONLY]
+STALE_METHODS = [m for m in METHODS if m not in ASYNC_ONLY]  # the paper's comparison under lag
 NUMERICAL_METHODS = ["naive", "tis", "dlc"]  # lag 0: no staleness to correct or re-sync on
 REFERENCE_SEEDS = 5  # the on-policy sigma needs them (DESIGN.md section 7)
 # The calibrated testbed (docs/experiments.md, "Calibration"): the warm start and learning
@@ -63,6 +77,7 @@ WARMSTART_STEPS = 900
 LR = 2e-4
 LAG = 32
 STEPS = 60
+EVAL_SEED = 7919  # common evaluation draws across cells: sigma is the policies' spread
 
 
 def scenarios(lag: int) -> dict[str, list[str]]:
@@ -95,17 +110,18 @@ def build(quick: bool = False, seeds: int | None = None) -> Experiment:
         # One tiny async cell: the race through the runner (its rollout worker is a child
         # of the cell's process), not a measurement.
         plan = {"exact": ["naive", "dlc"], f"fp8_lag{lag}": ["naive", "reweight", "dlc"],
-                f"fp8_async{lag}": ["dlc"]}
+                f"fp8_async{lag}": ["dlc_window"]}
     else:
         lag, n_seeds = LAG, seeds or 3
         n_ref = max(n_seeds, REFERENCE_SEEDS)
         base = TASK + [f"model.warmstart_steps={WARMSTART_STEPS}", f"train.steps={STEPS}",
                        f"train.lr={LR}", "rollout.prompts_per_step=32", "rollout.group_size=8",
                        "rollout.max_new_tokens=12", "eval.every=5", "eval.samples=4",
+                       f"eval.seed={EVAL_SEED}",
                        "diagnostics.monitor_every=5", "run.checkpoint_every=10"]
         plan = {"exact": ["naive", "dlc"], "fp8": NUMERICAL_METHODS,
                 f"lag{lag}": STALE_METHODS, f"fp8_lag{lag}": STALE_METHODS,
-                f"fp8_async{lag}": ["naive", "dlc"]}
+                f"fp8_async{lag}": ASYNC_METHODS}
     scen = scenarios(lag)
     cells = [Cell(s, m, seed, tuple(scen[s] + method_overrides(s, m, lag)))
              for seed in range(max(n_seeds, n_ref)) for s, methods in plan.items() for m in methods
@@ -114,17 +130,44 @@ def build(quick: bool = False, seeds: int | None = None) -> Experiment:
              f"on-policy reference: exact x naive (fp32 generator, lag 0, REINFORCE), {n_ref} seeds",
              "dlc centers over the whole vocabulary (K = V = 21: rollout.logprobs_topk auto)",
              (f"fp8_async{lag}: the asynchronous loop, 1 rollout worker, eta = {lag}; "
-              "its reward is the lagged generator's, as under lag")]
+              "its reward is the lagged generator's, as under lag"),
+             "sampled evaluations share their draws across cells (eval.seed)"]
     return Experiment("dlc", QUESTION, base, cells, ("exact", "naive"), notes)
+
+
+# The race's bars (issue 28): dlc's mean staleness at most half naive's; dlc within 2 sigma
+# of the reference and >= 0.9x it (last-3 mean, common draws); naive still collapses.
+STALENESS_SHARE, WITHIN_SIGMA, KEEP, COLLAPSED = 0.5, 2.0, 0.9, 0.5
+
+
+def extend(out: Path, summary: dict) -> None:
+    """Each async group's verdicts against the race's bars: `staleness_vs_naive` (its mean
+    staleness over naive's in the same race), `on_path` (within WITHIN_SIGMA and >= KEEP of
+    the reference, last-3 mean), and for naive `collapses` (last-3 <= COLLAPSED x reference)."""
+    naive = {g["scenario"]: g["mean_staleness"] for g in summary["groups"] if g["method"] == "naive"}
+    for g in summary["groups"]:
+        if not g["scenario"].startswith("fp8_async"):
+            continue
+        base = naive.get(g["scenario"], float("nan"))
+        g["staleness_vs_naive"] = g["mean_staleness"] / base if base > 0 else float("nan")
+        if g["method"] == "naive":
+            g["collapses"] = bool(g["last3_ratio"] <= COLLAPSED)
+        else:
+            g["staleness_met"] = bool(g["staleness_vs_naive"] <= STALENESS_SHARE)
+            g["on_path"] = bool(g["last3_dev_sigma"] <= WITHIN_SIGMA and g["last3_ratio"] >= KEEP)
 
 
 COLUMNS = [("scenario", "generator"), ("method", "method"), ("seeds", "seeds"),
            ("final_trainer", "final trainer-side"), ("trainer_dev_sigma", "trainer dev (σ)"),
-           ("trainer_ratio", "× reference"), ("leaves_band_step", "leaves ±2σ step"),
+           ("trainer_ratio", "× reference"), ("last3_trainer", "last-3 trainer-side"),
+           ("last3_dev_sigma", "last-3 dev (σ)"), ("last3_ratio", "last-3 × reference"),
+           ("leaves_band_step", "leaves ±2σ step"),
            ("final_accuracy", "final greedy acc"),
            ("final_reward", "final batch reward (generator-side)"),
            ("reward_dev_sigma", "reward dev (σ)"), ("accuracy_dev_sigma", "acc dev (σ)"),
            ("probe_dev_sigma", "probe dev (σ)"), ("ess_below_0.5_step", "ESS<0.5 step"),
            ("min_ess", "min ESS"), ("resyncs", "re-syncs"),
            ("mean_staleness", "staleness (versions)"),
+           ("staleness_vs_naive", "staleness / naive's"), ("staleness_met", "≤ half naive's"),
+           ("on_path", "on path (≤ 2σ, ≥ 0.9×)"), ("collapses", "naive collapses"),
            ("rare_kl_share_max", "rare KL share (max)"), ("numerical_k3", "numerical k3")]

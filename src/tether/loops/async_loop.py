@@ -32,7 +32,7 @@ from tether.weights.gate import StalenessGate
 
 def train_async(cfg: Config, resume: bool = False) -> RunResult:
     run = build_run(cfg, resume)
-    model, trainer, tokenizer, eta = run.model, run.trainer, run.tokenizer, cfg.loop.max_staleness
+    model, trainer, tokenizer = run.model, run.trainer, run.tokenizer
     gate = StalenessGate.of(cfg)  # the sync policy, and what it does to a stale batch
     snapshots, ledger = SnapshotStore(model), Ledger(run.run_dir / "ledger.jsonl")
     # The workers start building their engines now, in parallel with the evaluation at step 0.
@@ -54,10 +54,13 @@ def train_async(cfg: Config, resume: bool = False) -> RunResult:
             arrived = clock.lap("wait_data")
             batch = collate(result.rollouts, tokenizer.pad_token_id, model.device)
             clock.lap("collate")
-            V = trainer.version
+            V, bounds = trainer.version, sched.bounds()  # the window and re-sync at its turn
             behind = _behind(batch, V)  # (B, T) versions between the trainer and each token
-            if int(behind.max()) > eta:  # a safety net: admission makes this impossible
-                sched.drop(result.item, "over_staleness_bound")
+            stale = int(behind.max())
+            # Beyond the window (an ESS trip shrank it), or sampled before a re-sync under
+            # loop.after_trip=regenerate: dropped, its prompts issued again at once.
+            if reason := sched.out_of_bounds(int(batch.versions.min()), stale):
+                sched.drop(result.item, reason)
                 continue
             # 3. pi_old per token at the weights that sampled it: as the worker scored it, or
             #    from kept snapshots, or the training forward when those are the current weights.
@@ -67,8 +70,7 @@ def train_async(cfg: Config, resume: bool = False) -> RunResult:
             #    from is dropped and its prompts issued again with the current weights.
             if gate.before(batch, old.logp, trainer):
                 sched.drop(result.item, "ess_trip_regenerated")
-                if V > backend.version:
-                    sched.publish(V, model.state_dict())
+                sched.resync(V, model.state_dict(), stale)
                 continue
             # 5. Loss and optimizer step(s) at the current weights (data-parallel: on every rank).
             out = train_step(trainer, batch, result.rollouts, old, cfg.train.adv_std_norm)
@@ -78,13 +80,14 @@ def train_async(cfg: Config, resume: bool = False) -> RunResult:
             diag = s.diagnose(step, run.sampling_seed(result.item.slot), batch, out.logp_old,
                               out.logp, snapshots.model_at, mirror, backend.version)
             clock.lap("diagnostics")
-            # 7. Ledger; publish per policy; free snapshots nothing queued needs.
+            # 7. Ledger; the window (ESS-governed: shrinks on a trip, widens without);
+            #    publish per policy; free snapshots nothing queued needs.
             sched.done(result.item, V, _per_prompt(behind, batch))
-            sync_metrics = sched.after_step(trainer.version, model.state_dict(), tripped)
+            sync_metrics = sched.after_step(trainer.version, model.state_dict(), tripped, stale)
             clock.lap("sync")
             # 8. Log, evaluate every E steps; checkpoint; on repeated bad steps or a signal, stop.
             s.end_step({"version": trainer.version, **out.metrics, **diag, **gate.metrics(),
-                        **sync_metrics, **_async_metrics(result, batch, behind, sched),
+                        **sync_metrics, **bounds, **_async_metrics(result, batch, behind, sched),
                         **rate.add(arrived, result, batch, clock.last), **clock.row()})
         return s.finish()
 

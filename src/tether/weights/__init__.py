@@ -6,6 +6,7 @@ how versions reach engines (publisher), and the synchronous loop's use of all th
 - `publisher`: version v is published; engines load it (in process, or shared memory
   for rollout worker processes). A published version is immutable.
 - `synchronizer`: the synchronous loop's bookkeeping over the three (lag, ESS trips).
+- `window`: the asynchronous loop's admission window, fixed or governed by the ESS.
 """
 
 import importlib
