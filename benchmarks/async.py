@@ -147,15 +147,15 @@ def main() -> None:
     from tether.rollout.vllm_engine import vllm_available
     from tether.setup import resolve_model_path
 
+    if args.dlc:  # E-DLC's own warm start, not the demo's model
+        dlc_race(args)
+        return
     model = args.model or str(resolve_model_path(load_config("configs/countdown.yaml")))
     if args.publish_cost:
         publish_cost(model)
         return
     if args.pi_old_cost:
         pi_old_cost(model, args.prompts, args.group, args.max_new_tokens)
-        return
-    if args.dlc:
-        dlc_race(args)
         return
     common = [f"model.path={model}", f"train.steps={args.steps}", f"train.lr={args.lr}",
               f"rollout.prompts_per_step={args.prompts}", f"rollout.group_size={args.group}",
