@@ -209,20 +209,18 @@ def dlc_race(args: argparse.Namespace) -> None:
     from tether.experiments import dlc
     from tether.setup import resolve_model_path
 
-    settings = [*dlc.TASK, f"model.warmstart_steps={dlc.WARMSTART_STEPS}",
-                f"train.lr={dlc.LR}", f"train.steps={dlc.STEPS}", "rollout.prompts_per_step=32",
-                "rollout.group_size=8", "rollout.max_new_tokens=12", "rollout.precision=fp8",
-                "train.estimator=dlc", "sync.policy=ess:0.5"]
-    model = args.model or str(resolve_model_path(load_config("configs/countdown.yaml", settings)))
-    common = [*settings, f"model.path={model}", "run.progress=false", "run.threads=1",
-              "eval.every=0", "eval.samples=4", "run.checkpoint_every=0",
-              "diagnostics.monitor_every=0"]
-    race = ["loop.mode=async", "loop.workers=1", f"loop.max_staleness={dlc.LAG}"]
-    rows = [("sync, lag 0", []), ("async, fixed window", race),
-            ("async, ESS window, after_trip=window",
-             [*race, "loop.window=ess", "loop.after_trip=window"]),
-            ("async, ESS window, after_trip=regenerate",
-             [*race, "loop.window=ess", "loop.after_trip=regenerate"])]
+    # The matrix's own keys (its base, the fp8 scenarios, the methods), timing-friendly
+    # overrides after them: no evaluation but the last, no monitor, no checkpoints.
+    scen, method = dlc.scenarios(dlc.LAG), dlc.METHODS
+    base = dlc.build().base
+    model = args.model or str(resolve_model_path(load_config("configs/countdown.yaml", base)))
+    common = [*base, f"model.path={model}", "run.progress=false", "run.threads=1",
+              "eval.every=0", "run.checkpoint_every=0", "diagnostics.monitor_every=0"]
+    race = scen[f"fp8_async{dlc.LAG}"]
+    rows = [("sync, lag 0", [*scen["fp8"], *method["dlc"]]),
+            ("async, fixed window", [*race, *method["dlc"]]),
+            ("async, ESS window, after_trip=window", [*race, *method["dlc_window"]]),
+            ("async, ESS window, after_trip=regenerate", [*race, *method["dlc_regen"]])]
     runs = []
     for name, extra in rows:
         res = run_one(common, extra)
