@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import copy
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -250,6 +251,9 @@ def test_sigterm_mid_run_resumes_with_nothing_lost_or_trained_twice(warm_model_d
     (gate_dir / "release").touch()
     _, err = run.communicate(timeout=120)
     assert run.returncode == 128 + signal.SIGTERM, err[-2000:]
+    # Quiet output: one line per worker start, no third-party progress bars.
+    assert sorted(re.findall(r"^tether: rollout worker (\d) ready", err, re.MULTILINE)) == ["0", "1"]
+    assert "Loading weights" not in err and "it/s]" not in err, err[-2000:]
     stopped = audit(run_dir / "ledger.jsonl")
     assert stopped.ok and stopped.open == []  # everything in flight was dropped, with its reason
     in_flight = stopped.dropped["in_flight_at_stop"]

@@ -13,6 +13,7 @@ import torch
 from tether.checkpoint import list_checkpoints, resume_config
 from tether.config import ConfigError, load_config
 from tether.distributed import RankFailed, start_ranks
+from tether.errors import EnvironmentFault
 from tether.estimators import TokenBatch
 from tether.ledger import audit
 from tether.logger import read_jsonl
@@ -182,3 +183,15 @@ def test_dead_rank_stops_the_run_with_a_checkpoint_and_resume_continues(warm_mod
         row_a, row_b = ({k: v for k, v in r.items() if not k.startswith("time/")}
                         for r in (row_a, row_b))
         assert row_a == row_b, f"step {row_a['step']} differs"
+
+
+def test_a_rank_that_does_not_join_in_time_fails_naming_it(warm_model_dir, tmp_path):
+    """A rank's process needs seconds to start (spawn, imports): 0.2 s is too short, and the
+    run fails then, not after the process group's own minutes; it leaves no rank and no
+    run directory behind."""
+    run_dir = tmp_path / "run"
+    with pytest.raises(EnvironmentFault, match=r"trainer rank\(s\) \[1\] did not start within "
+                                                r"0.2 s \(run.start_timeout\)"):
+        train(_two_rank_run(warm_model_dir, run_dir, 2, "run.start_timeout=0.2"))
+    assert [p.name for p in multiprocessing.active_children() if p.name.startswith("tether-rank")] == []
+    assert not run_dir.exists()

@@ -96,7 +96,7 @@ def test_steps_answer_warm_starts_and_trains(tmp_path, warm_model_dir):
         "rollout.group_size=2", "task.eval_size=4", "eval.samples=2", "eval.batch_size=4",
         "run.progress=false"])
     result = train(cfg)
-    (model_dir,) = (tmp_path / "models").iterdir()
+    (model_dir,) = [p for p in (tmp_path / "models").iterdir() if p.is_dir()]  # and its .lock
     assert model_dir.name.startswith("tiny-dense-") and model_dir != warm_model_dir
     rows = read_jsonl(tmp_path / "run" / "metrics.jsonl")
     assert [r["step"] for r in rows] == [0, 1] and rows[1]["version"] == 1

@@ -16,10 +16,15 @@ the step takes: an fp8 generator lagging one version with two optimizer steps pe
 (centering over the top-K, re-syncs), and an ESS trip measured on the training forward.
 Float results depend on the CPU's vector kernels, and through the samples so does the whole
 trajectory (on AVX2 the first held-out samples already differ from AVX-512's), so the runs
-are pinned per CPU capability (AVX512 and AVX2, recorded from the same code); on a machine
-of another capability only the steps and the metric names are compared, and the test
-then skips, naming the capability (shown by pytest's -rs summary). Re-record (only
-for an intended change of trajectory, on each capability) with TETHER_WRITE_PIN=1.
+are pinned per machine kind. Torch's CPU capability alone does not tell kinds apart: a
+second AVX-512 machine matched AVX2's first samples and neither pin after them. So a pin is
+keyed by the capability and a kernel fingerprint (`kernels`: the bits of the warm model's
+logits in fp32 and bf16, which tether's code does not touch). The first two pins, AVX512
+and AVX2, were recorded before fingerprints: a machine whose fingerprint has no pin is
+compared with its capability's old pin only if its first row (the held-out samples before
+training) matches it, and skips otherwise. Elsewhere only the steps and the metric names
+are compared, and the test skips, naming the key (shown by pytest's -rs summary).
+Re-record (only for an intended change of trajectory, on each kind) with TETHER_WRITE_PIN=1.
 """
 
 from __future__ import annotations
@@ -36,6 +41,7 @@ from safetensors.torch import load_file
 from tether.config import load_config
 from tether.logger import read_jsonl
 from tether.loops import train
+from tether.models import load_model
 
 PIN = Path(__file__).parent / "data" / "pinned_sync.json"
 COMMON = [
@@ -68,21 +74,35 @@ def _record(model_dir: Path, run_dir: Path, overrides: list[str]) -> dict:
     return {"rows": rows, "weights_sha256": digest.hexdigest()}
 
 
+def kernels(model_dir: Path) -> str:
+    """The machine kind's key: torch's CPU capability and a hash of the warm model's logits
+    on a fixed batch, in fp32 and in bf16 (the generator's numerics)."""
+    model = load_model(model_dir)[0]
+    ids = torch.arange(48).reshape(4, 12) % model.config.vocab_size
+    digest = hashlib.sha256()
+    with torch.no_grad():
+        for dtype in (torch.float32, torch.bfloat16):
+            logits = model.to(dtype)(ids).logits
+            digest.update(logits.float().contiguous().view(torch.uint8).numpy().tobytes())
+    return f"{torch.backends.cpu.get_cpu_capability()}/{digest.hexdigest()[:12]}"
+
+
 @pytest.mark.parametrize("name", sorted(RUNS))
 def test_sync_run_is_pinned(name, warm_model_dir, tmp_path):
     got = _record(warm_model_dir, tmp_path / name, RUNS[name])
-    capability = torch.backends.cpu.get_cpu_capability()
+    key = kernels(warm_model_dir)
     if os.environ.get("TETHER_WRITE_PIN"):
         pins = json.loads(PIN.read_text()) if PIN.is_file() else {}
-        pins.setdefault(name, {})[capability] = got
+        pins.setdefault(name, {})[key] = got
         PIN.write_text(json.dumps(pins, indent=1, sort_keys=True) + "\n")
         pytest.skip("pin written")
     pinned = json.loads(PIN.read_text())[name]
-    want = pinned.get(capability) or next(iter(pinned.values()))
+    capability = key.split("/")[0]
+    want = pinned.get(key) or pinned.get(capability) or next(iter(pinned.values()))
     assert [r["step"] for r in got["rows"]] == [r["step"] for r in want["rows"]]
     assert [r.keys() for r in got["rows"]] == [r.keys() for r in want["rows"]]
-    if capability not in pinned:
-        pytest.skip(f"no values pinned for CPU capability {capability} (pinned: "
+    if key not in pinned and (capability not in pinned or got["rows"][0] != want["rows"][0]):
+        pytest.skip(f"no values pinned for machine kind {key} (pinned: "
                     f"{', '.join(sorted(pinned))}); steps and metric names matched")
     for a, b in zip(got["rows"], want["rows"]):
         assert a == b, f"step {a['step']}: {sorted(k for k in a if a.get(k) != b.get(k))}"

@@ -11,11 +11,13 @@ import os
 import subprocess
 import sys
 import threading
+import time
 
 import pytest
 
 from tests.race_gates import gate, wait_until
 from tether.config import ConfigError, load_config
+from tether.errors import EnvironmentFault
 from tether.ledger import audit
 from tether.logger import read_jsonl
 from tether.loops import train
@@ -115,3 +117,29 @@ def test_config_refuses_ray_where_it_cannot_mean_anything():
                                 "loop.partial")]:
         with pytest.raises(ConfigError, match=culprit):
             load_config("configs/countdown.yaml", overrides)
+
+
+def test_an_unreachable_address_fails_within_seconds_naming_the_key(warm_model_dir, tmp_path):
+    """Ray itself would retry forever ("Failed to connect to GCS ..."). A new process: the
+    module's own Ray must not be there to be reused."""
+    t0 = time.monotonic()
+    run = subprocess.run([sys.executable, "-m", "tether.cli", "train", f"model.path={warm_model_dir}",
+                          f"run.dir={tmp_path / 'run'}", *ASYNC, "train.steps=2",
+                          "loop.ray_address=127.0.0.1:1"], check=False, capture_output=True, text=True,
+                         timeout=60, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert run.returncode == 5, run.stderr[-2000:]
+    assert time.monotonic() - t0 <= 30
+    assert run.stderr.startswith("tether train: environment: loop.ray_address=127.0.0.1:1: "
+                                 "cannot reach 127.0.0.1:1"), run.stderr[-2000:]
+    assert "Traceback" not in run.stderr and not (tmp_path / "run").exists()
+
+
+def test_an_actor_ray_cannot_place_fails_naming_what_it_asks(local_ray, warm_model_dir, tmp_path):
+    """A GPU per worker on a cluster without one: Ray would keep the actor pending forever."""
+    cfg = _cfg(warm_model_dir, tmp_path / "run", "train.steps=2", "loop.worker_gpus=1",
+               "run.start_timeout=3")
+    with pytest.raises(EnvironmentFault, match=r"actor\(s\) \[0, 1\] not started within 3 s "
+                       r"\(run.start_timeout\): each asks Ray for 1 CPU and 1 GPU .*'GPU': 0.0"):
+        train(cfg)
+    assert not (tmp_path / "run").exists()
+    assert ray.available_resources().get("CPU") == 2.0  # the pending actors were killed

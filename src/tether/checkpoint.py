@@ -37,7 +37,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from tether.config import Config, ConfigError, load_config, parse_overrides, resumable_keys
-from tether.errors import InputError
+from tether.errors import InputError, as_os_error
 
 FORMAT = 1
 CHECKPOINTS = "checkpoints"
@@ -85,7 +85,12 @@ def save_checkpoint(run_dir: str | Path, step: int, state: RunState, keep: int) 
     encoder = _Encoder()
     meta = encoder.encode(tree, "")
     tmp = Path(tempfile.mkdtemp(dir=root, prefix=f".tmp-step-{step:08d}-"))
-    save_file(encoder.tensors, tmp / "state.safetensors", metadata={"format": "pt"})
+    try:
+        save_file(encoder.tensors, tmp / "state.safetensors", metadata={"format": "pt"})
+    except Exception as e:  # safetensors reports a full disk as its own error
+        if (os_error := as_os_error(e, tmp / "state.safetensors")) is None:
+            raise
+        raise os_error from e
     (tmp / "state.json").write_text(json.dumps({"format": FORMAT, "step": step, "state": meta}))
     mask = os.umask(0)
     os.umask(mask)  # (mkdtemp and safetensors create private files; a run dir is shared as usual)

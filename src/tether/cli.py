@@ -7,7 +7,10 @@ report it, and the status is 1. A run stopped by its guard after `train.max_bad_
 bad steps in a row exits with 3; one stopped by SIGINT/SIGTERM finishes its step,
 checkpoints and exits with 128 + signal.
 A run whose data-parallel trainer rank died exits with 4, after a checkpoint
-(docs/distributed.md).
+(docs/distributed.md). A fault of the machine or the cluster (a run directory that cannot
+be written, a full disk, a Ray address that does not answer, a rank or actor that never
+starts: tether.errors.EnvironmentFault) prints one line and exits with 5. The statuses:
+docs/reliability.md.
 """
 
 from __future__ import annotations
@@ -20,7 +23,14 @@ import traceback
 
 from tether import __version__
 from tether.config import ConfigError, dump_config, format_fields, load_config
-from tether.errors import InputError, RankFailed, StopRequested, TooManyBadSteps
+from tether.errors import (
+    EnvironmentFault,
+    InputError,
+    RankFailed,
+    StopRequested,
+    TooManyBadSteps,
+    environment_fault,
+)
 
 TRAIN_HELP = """\
 Train with RL: generate, score old log-probs, compute the loss, step, sync.
@@ -49,7 +59,10 @@ Hugging Face safetensors format).
   tether train --resume RUN_DIR [train.steps=N ...]
 continues a stopped run from its last checkpoint with the config in RUN_DIR/config.yaml;
 only keys that do not change the trajectory may be overridden (e.g. train.steps to
-extend it). SIGINT/SIGTERM stop a run after the current step, with a checkpoint."""
+extend it). SIGINT/SIGTERM stop a run after the current step, with a checkpoint.
+Exit status: 0 done, 2 bad input, 3 bad steps, 4 a trainer rank died, 5 a fault of the
+machine or cluster (unwritable or full run.dir, a Ray address or actor or trainer rank that
+does not answer within run.start_timeout), 128+signal stopped; docs/reliability.md."""
 
 
 def _request_stop(signum: int, frame: object) -> None:
@@ -165,7 +178,8 @@ Run one of the papers' experiments on the embedded testbed (DESIGN.md section 7)
          Countdown answers written as steps (4 numbers), dense model
 Each cell is one training run in OUT/cells/<scenario>__<method>__s<seed>, run in parallel
 worker processes (one torch thread each). Rerunning the same command skips finished cells
-and resumes interrupted ones. Writes OUT/summary.csv (one row per scenario x method),
+and resumes interrupted ones. Ctrl-C or SIGTERM ends every running cell with the processes
+it started (exit 130/143); a cell whose parent was killed ends itself within a second. Writes OUT/summary.csv (one row per scenario x method),
 OUT/cells.csv, OUT/summary.json; `tether report OUT` builds the HTML page and plots.
 Definitions of every number: docs/experiments.md."""
 
@@ -175,12 +189,24 @@ a self-contained HTML page (figures embedded) and a markdown summary with the ta
 in DIR/report/ (index.html, summary.md, *.png)."""
 
 
+def _stop_experiment(signum: int, frame: object) -> None:
+    for s in (signal.SIGINT, signal.SIGTERM):  # ending the cells must not be interrupted
+        signal.signal(s, signal.SIG_IGN)
+    raise StopRequested(f"stopped by {signal.Signals(signum).name}; the running cells were "
+                        "ended; rerun the same command to resume", signum)
+
+
 def _cmd_experiment(args: argparse.Namespace) -> int:
     from tether.experiments import run
 
     only = [g for g in (args.only or "").split(",") if g]
-    run(args.name, args.out, quick=args.quick, seeds=args.seeds, workers=args.workers,
-        model_path=args.model, only=only or None, overrides=args.set)
+    previous = {s: signal.signal(s, _stop_experiment) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:  # the runner ends its cells on the way out (tether.experiments.runner)
+        run(args.name, args.out, quick=args.quick, seeds=args.seeds, workers=args.workers,
+            model_path=args.model, only=only or None, overrides=args.set)
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
     return 0
 
 
@@ -298,6 +324,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.command in ("train", "probe", "init-model", "experiment"):
+        import transformers
+
+        transformers.utils.logging.disable_progress_bar()  # tether's own bar; none per load
     try:
         return args.func(args)
     except InputError as e:
@@ -314,12 +344,23 @@ def main(argv: list[str] | None = None) -> int:
     except RankFailed as e:
         print(f"tether {args.command}: {e}", file=sys.stderr)
         return 4
-    except Exception:  # noqa: BLE001 -- not the user's input: a bug, shown in full
+    except EnvironmentFault as e:
+        return _environment(args.command, e)
+    except Exception as e:  # noqa: BLE001 -- not the user's input: a bug, shown in full
+        if fault := environment_fault(e):  # a full disk, a read-only or forbidden path
+            return _environment(args.command, fault)
         traceback.print_exc()
         print(f"tether {args.command}: this is a bug in tether, please report it with the "
               f"traceback above (tether {__version__}, Python {sys.version.split()[0]})",
               file=sys.stderr)
         return 1
+
+
+def _environment(command: str, fault: EnvironmentFault) -> int:
+    if os.environ.get("TETHER_DEBUG"):
+        traceback.print_exc()
+    print(f"tether {command}: environment: {fault}", file=sys.stderr)
+    return 5
 
 
 if __name__ == "__main__":

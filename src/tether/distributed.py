@@ -26,8 +26,10 @@ from __future__ import annotations
 import copy
 import dataclasses
 import os
+import queue as queue_lib
 import signal
 import socket
+import sys
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -37,7 +39,8 @@ import torch
 import torch.distributed as dist
 
 from tether.config import Config
-from tether.errors import RankFailed
+from tether.errors import EnvironmentFault, RankFailed
+from tether.models import quiet_transformers
 from tether.rollout.worker import next_or_orphaned
 from tether.setup import load_policy, sampling_params
 from tether.trainer import Trainer
@@ -122,18 +125,45 @@ class TrainerRanks(RankView):
         ctx = torch.multiprocessing.get_context("spawn")
         self.queues = [ctx.Queue() for _ in range(W - 1)]
         self.placed = ctx.Queue()  # (rank, device) from each rank once its model is placed
+        joining = ctx.Queue()  # each rank's number, just before it joins the process group
         self.procs = [ctx.Process(target=_rank_main, daemon=True, name=f"tether-rank-{r}",
                                   args=(r, W, backend, init, cfg, str(model_path),
-                                        self.queues[r - 1], self.placed, os.getpid()))
+                                        self.queues[r - 1], self.placed, joining, os.getpid()))
                       for r in range(1, W)]
         for p in self.procs:
             p.start()
         self.closed = False
+        self._await_joining(joining, cfg.run.start_timeout)
         dist.init_process_group(backend, init_method=init, rank=0, world_size=W, timeout=TIMEOUT)
         _shared(state)
         for q in self.queues:
             q.put(state)  # every rank starts from rank 0's weights and optimizer moments
         self.device, self._devices = str(device), None
+
+    def _await_joining(self, joining: Any, timeout: float) -> None:
+        """Every rank about to join within `timeout` seconds; else end them all and raise an
+        EnvironmentFault naming the ranks that died or never came (the process group itself
+        would wait for them for minutes)."""
+        deadline, joined = time.monotonic() + timeout, set()
+        while len(joined) < len(self.procs):
+            dead = [f"rank {r} (exit code {p.exitcode})" for r, p in enumerate(self.procs, 1)
+                    if r not in joined and not p.is_alive()]
+            late = time.monotonic() >= deadline
+            if dead or late:
+                for p in self.procs:
+                    p.kill()
+                    p.join()
+                missing = sorted(set(range(1, self.world_size)) - joined)
+                raise EnvironmentFault(
+                    f"trainer {', '.join(dead)} exited before joining the process group (its "
+                    "error is above)" if dead else
+                    f"trainer rank(s) {missing} did not start within {timeout:g} s "
+                    "(run.start_timeout): the machine may be overloaded; raise run.start_timeout "
+                    "or lower train.world_size")
+            try:
+                joined.add(joining.get(timeout=0.5))
+            except queue_lib.Empty:
+                pass
 
     @property
     def devices(self) -> list[str]:
@@ -214,16 +244,20 @@ def start_ranks(trainer: Trainer, cfg: Config, model_path: str | Path) -> Traine
 
 
 def _rank_main(rank: int, world_size: int, backend: str, init: str, cfg: Config,
-               model_path: str, work: Any, placed: Any, parent_pid: int) -> None:
+               model_path: str, work: Any, placed: Any, joining: Any, parent_pid: int) -> None:
     """A trainer rank > 0: the model on `run.device` and the optimizer, then one `train_on`
     per batch sent."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C: rank 0 finishes the step, then stops us
+    quiet_transformers()
     if cfg.run.threads:
         torch.set_num_threads(cfg.run.threads)
+    joining.put(rank)
     dist.init_process_group(backend, init_method=init, rank=rank, world_size=world_size,
                             timeout=TIMEOUT)
     _, model, _ = load_policy(cfg, model_path)
-    placed.put((rank, str(next(model.parameters()).device)))  # TrainerRanks.devices
+    device = str(next(model.parameters()).device)
+    placed.put((rank, device))  # TrainerRanks.devices
+    print(f"tether: trainer rank {rank} ready on {device}", file=sys.stderr, flush=True)
     trainer = Trainer(model, cfg.train, sampling_params(cfg, model.config.vocab_size))
     trainer.attach(RankView(rank, world_size))
     # A copy of its own: the queue hands over rank 0's tensors in shared memory, and the

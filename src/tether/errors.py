@@ -7,11 +7,18 @@
 - `TooManyBadSteps` (exit 3) and `StopRequested` (exit 128 + signal): a run stopped, with
   a checkpoint, by its guard or by SIGINT/SIGTERM (tether.guards).
 - `RankFailed` (exit 4): a data-parallel trainer rank died (tether.distributed).
+- `EnvironmentFault` (exit 5, one line): something outside tether failed: a path that
+  cannot be written, a full disk, a cluster that does not answer, a process that never
+  started. `environment_fault` classifies an `OSError` that escapes a command the same way.
 Imports nothing from tether, so every module can raise them and the CLI can name them
 without loading torch.
 """
 
 from __future__ import annotations
+
+import errno
+import os
+import re
 
 
 class InputError(ValueError):
@@ -46,3 +53,41 @@ class RankFailed(RuntimeError):
     def __init__(self, message: str, intact: bool):
         super().__init__(message)
         self.intact = intact
+
+
+class EnvironmentFault(RuntimeError):
+    """Something outside tether failed: the message names the path, address or process and
+    what to check. Neither the user's input (InputError) nor a bug in tether."""
+
+
+# OSErrors that only the machine causes: never a bug in tether, whichever line raised them.
+ENVIRONMENT_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM,
+                      errno.EFBIG, errno.EIO, errno.EMFILE, errno.ENFILE}
+
+
+def environment_fault(e: BaseException, where: str | None = None) -> EnvironmentFault | None:
+    """`e` as an `EnvironmentFault` naming its path (or `where`) and cause, or None when
+    it is not an OSError the machine causes."""
+    if not isinstance(e, OSError) or e.errno not in ENVIRONMENT_ERRNOS:
+        return None
+    return EnvironmentFault(describe_os_error(e, where))
+
+
+def describe_os_error(e: OSError, where: str | None = None) -> str:
+    """'PATH: cause (ERRNO)' for an OSError; `where` stands in when it names no path."""
+    path = e.filename if e.filename is not None else where
+    cause = (e.strerror or os.strerror(e.errno)) if e.errno else str(e)
+    code = f" ({errno.errorcode[e.errno]})" if e.errno in errno.errorcode else ""
+    return f"{path}: {cause}{code}" if path else f"{cause}{code}"
+
+
+def as_os_error(e: BaseException, path: object) -> OSError | None:
+    """The OSError behind `e` at `path`: `e` itself, or safetensors' own error, which
+    carries the OS error code only in its text ('I/O error: No space left on device (os
+    error 28)')."""
+    if isinstance(e, OSError):
+        return e
+    if m := re.search(r"\(os error (\d+)\)", str(e)):
+        code = int(m.group(1))
+        return OSError(code, os.strerror(code), str(path))
+    return None

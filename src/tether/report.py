@@ -20,7 +20,7 @@ import numpy as np
 
 from tether.errors import InputError
 from tether.experiments import analysis, get
-from tether.experiments.analysis import quiet_transformers as _quiet_transformers
+from tether.models import quiet_transformers
 
 COLORS = ["#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#8c564b", "#e377c2", "#17becf"]
 
@@ -324,7 +324,7 @@ def build_report(out: str | Path, command: str | None = None) -> tuple[Path, Pat
     import torch
 
     torch.set_num_threads(1)  # tiny models: a second thread only contends
-    _quiet_transformers()
+    quiet_transformers()
     out = Path(out)
     if not (out / "experiment.json").is_file():
         raise InputError(f"{out} is not an experiment directory (no experiment.json); "

@@ -8,6 +8,8 @@ asynchronous one (engines in worker processes), so each loop builds its own (tet
 
 from __future__ import annotations
 
+import os
+import shutil
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -15,8 +17,9 @@ from typing import Any
 
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from tether.checkpoint import RunState, check_fresh_run_dir, load_checkpoint
+from tether.checkpoint import RunState, check_fresh_run_dir, list_checkpoints, load_checkpoint
 from tether.config import Config, dump_config
+from tether.errors import EnvironmentFault, as_os_error, describe_os_error
 from tether.evaluate import greedy_accuracy, heldout_scores
 from tether.guards import check_prompts
 from tether.logger import RunLogger, open_logger
@@ -95,8 +98,14 @@ class Run:
     def finish(self, before: dict[str, Any], after: dict[str, Any],
                rewards: list[float]) -> RunResult:
         """Save the trained model (safetensors, loads with from_pretrained); the result."""
-        self.model.save_pretrained(self.run_dir / "final")
-        self.tokenizer.save_pretrained(self.run_dir / "final")
+        final = self.run_dir / "final"
+        try:
+            self.model.save_pretrained(final)
+        except Exception as e:  # safetensors reports a full disk as its own error
+            if (os_error := as_os_error(e, final / "model.safetensors")) is None:
+                raise
+            raise os_error from e
+        self.tokenizer.save_pretrained(final)
         return RunResult(self.run_dir, before["eval/accuracy"], after["eval/accuracy"],
                          before.get("eval/accuracy_sampled"), after.get("eval/accuracy_sampled"),
                          rewards)
@@ -122,10 +131,49 @@ def build_run(cfg: Config, resume: bool = False) -> Run:
                probe)
 
 
+def with_run_dir(cfg: Config) -> Config:
+    """`cfg` with `run.dir` resolved (empty: runs/<time>-<estimator>), so the caller knows
+    where the run writes before it starts."""
+    if cfg.run.dir:
+        return cfg
+    run_dir = f"runs/{time.strftime('%Y%m%d-%H%M%S')}-{cfg.train.estimator}"
+    return cfg.model_copy(update={"run": cfg.run.model_copy(update={"dir": run_dir})})
+
+
 def make_run_dir(cfg: Config, resume: bool = False) -> Path:
-    run_dir = Path(cfg.run.dir or f"runs/{time.strftime('%Y%m%d-%H%M%S')}-{cfg.train.estimator}")
+    """RUN_DIR with the resolved config.yaml in it; a new run refuses another run's directory.
+    A directory that cannot be made or written is the machine's fault (EnvironmentFault)."""
+    run_dir = Path(with_run_dir(cfg).run.dir)
     if not resume:
         check_fresh_run_dir(run_dir)  # never mix two runs' rows and checkpoints
-    run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "config.yaml").write_text(dump_config(cfg))
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "config.yaml").write_text(dump_config(cfg))
+    except OSError as e:
+        raise EnvironmentFault(f"run.dir={run_dir}: cannot write the run directory: "
+                               f"{describe_os_error(e)}; choose a run.dir on a writable disk "
+                               "with free space") from e
     return run_dir
+
+
+def discard_unstarted(run_dir: Path, before: set[str] | None) -> bool:
+    """After a new run failed before its first step ended: remove what it wrote to RUN_DIR
+    (`before`: the entries RUN_DIR held before, None when it did not exist), so the same
+    command works once the cause is fixed. A run with a checkpoint or a trained step's row
+    keeps its directory (`--resume` continues it). Returns whether it was kept."""
+    metrics = run_dir / "metrics.jsonl"  # lines, not parsed rows: a kill may cut the last
+    rows = len(metrics.read_text().splitlines()) if metrics.is_file() else 0
+    if list_checkpoints(run_dir) or rows > 1:
+        return True
+    if not run_dir.is_dir():
+        return False
+    if before is None:
+        shutil.rmtree(run_dir, ignore_errors=True)
+        return False
+    for entry in set(os.listdir(run_dir)) - before:
+        path = run_dir / entry
+        if path.is_dir():
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            path.unlink(missing_ok=True)
+    return False

@@ -373,3 +373,10 @@ class RunConfig(Node):
     )
     keep_checkpoints: int = Field(2, ge=1, json_schema_extra=RESUMABLE,
         description="How many of the newest checkpoints to keep.")
+    start_timeout: float = Field(
+        120.0, gt=0.0, json_schema_extra=RESUMABLE,
+        description="Seconds to wait for what a run joins or starts outside this process before "
+        "it fails with exit status 5, naming it: the Ray cluster at loop.ray_address, a Ray "
+        "actor to be placed, a data-parallel trainer rank to join. Loading a model or an "
+        "engine is not counted.",
+    )

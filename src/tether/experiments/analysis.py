@@ -50,14 +50,6 @@ TRAINER_HEADLINES = ("eval/accuracy_sampled", "eval/accuracy")
 """Trainer-side headline metrics, preferred first: sampled like the rollouts, else greedy."""
 
 
-def quiet_transformers() -> None:
-    """No per-model progress bars or advisories: a matrix loads dozens of tiny models."""
-    import transformers
-
-    transformers.utils.logging.disable_progress_bar()
-    transformers.utils.logging.set_verbosity_error()
-
-
 def load_meta(out: Path) -> dict:
     return json.loads((Path(out) / "experiment.json").read_text())
 

@@ -9,21 +9,31 @@ resolves (builds or finds) the starting model once, so workers never race to bui
 
 What it simplifies: cells run to completion or fail on their own (a failed cell is
 recorded in `OUT/failed.json` with its error and does not stop the others).
+
+Nothing outlives the command: each cell runs in a process group of its own, which the
+parent ends when the cell is done and on every way out (an error, SIGINT, SIGTERM); a cell
+whose parent was killed outright (SIGKILL) ends its own group within a second.
 """
 
 from __future__ import annotations
 
 import json
 import multiprocessing as mp
+import os
 import queue as queue_lib
 import shutil
+import signal
+import threading
 import time
 import traceback
+from contextlib import closing
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from tether.errors import InputError
-from tether.experiments.analysis import quiet_transformers as _quiet_transformers
+from tether.models import quiet_transformers
+
+STOP_SIGNALS = {signal.SIGINT, signal.SIGTERM}
 
 
 @dataclass(frozen=True)
@@ -74,7 +84,7 @@ def _run_cell(job: tuple[list[str], str]) -> tuple[str, float, str | None]:
         import torch
 
         torch.set_num_threads(1)
-        _quiet_transformers()
+        quiet_transformers()
         from tether.checkpoint import list_checkpoints
         from tether.config import load_config
         from tether.loops import train
@@ -95,8 +105,30 @@ def _run_cell(job: tuple[list[str], str]) -> tuple[str, float, str | None]:
         return run_dir, time.perf_counter() - t0, traceback.format_exc(limit=4)
 
 
-def _cell_process(job: tuple[list[str], str], results) -> None:
+def _cell_process(job: tuple[list[str], str], results, parent_pid: int) -> None:
+    """A cell in a process group of its own (it and every process it starts: the parent
+    ends them together), ending that group within a second of losing its parent (a parent
+    killed with SIGKILL cannot end it)."""
+    os.setpgid(0, 0)
+    threading.Thread(target=_end_with_parent, args=(parent_pid,), daemon=True,
+                     name="tether-cell-watch").start()
     results.put(_run_cell(job))
+
+
+def _end_with_parent(parent_pid: int) -> None:
+    while os.getppid() == parent_pid:
+        time.sleep(0.5)
+    os.killpg(os.getpgid(0), signal.SIGKILL)  # this cell's group only (setpgid above)
+
+
+def _end_cell(proc: mp.process.BaseProcess) -> None:
+    """End a cell's process group: the cell and whatever it started (rollout workers, ranks)."""
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):  # not yet its own group, or already gone
+        if proc.is_alive():
+            proc.kill()
+    proc.join()
 
 
 def _run_parallel(jobs: list[tuple[list[str], str]], workers: int):
@@ -116,10 +148,16 @@ def _run_parallel(jobs: list[tuple[list[str], str]], workers: int):
         while pending or running:
             while pending and len(running) < max(1, workers):
                 job = pending.pop(0)
-                proc = ctx.Process(target=_cell_process, args=(job, results), daemon=False,
+                proc = ctx.Process(target=_cell_process, args=(job, results, os.getpid()),
+                                   daemon=False,
                                    name=f"tether-cell-{Path(job[1]).name}")
-                proc.start()
-                running[job[1]] = (proc, time.perf_counter())
+                # A stop signal waits until the cell is started and known, so it is ended too.
+                held = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+                try:
+                    proc.start()
+                    running[job[1]] = (proc, time.perf_counter())
+                finally:
+                    signal.pthread_sigmask(signal.SIG_SETMASK, held)
             try:
                 run_dir, seconds, error = results.get(timeout=1.0)
             except queue_lib.Empty:
@@ -135,15 +173,11 @@ def _run_parallel(jobs: list[tuple[list[str], str]], workers: int):
             if run_dir in running:
                 proc = running.pop(run_dir)[0]
                 proc.join(timeout=60)  # its result is in: a process that hangs at exit
-                if proc.is_alive():  # must not hold the matrix (seen with an async cell)
-                    proc.terminate()
-                    proc.join()
+                _end_cell(proc)  # must not hold the matrix (seen with an async cell)
                 yield run_dir, seconds, error
-    finally:  # stopped early (an error, Ctrl-C): no cell outlives the command
+    finally:  # stopped early (an error, SIGINT, SIGTERM): no cell outlives the command
         for proc, _ in running.values():
-            if proc.is_alive():
-                proc.terminate()
-            proc.join()
+            _end_cell(proc)
 
 
 def resolve_start_model(base: list[str], model_path: str | None) -> str:
@@ -162,7 +196,7 @@ def run_experiment(exp: Experiment, out: str | Path, workers: int = 2,
     import torch
 
     torch.set_num_threads(1)  # the parent builds the model and the probe: one thread, as the cells
-    _quiet_transformers()
+    quiet_transformers()
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     previous = out / "experiment.json"
@@ -198,12 +232,13 @@ def run_experiment(exp: Experiment, out: str | Path, workers: int = 2,
              str(cell_dir(out, c))) for c in todo]
     t0 = time.perf_counter()
     failed = {}
-    for i, (run_dir, seconds, error) in enumerate(_run_parallel(jobs, workers), 1):
-        name = Path(run_dir).name
-        status = "FAILED" if error else "done"
-        log(f"  [{i}/{len(jobs)}] {name}: {status} in {seconds:.0f} s")
-        if error:
-            failed[name] = error
+    with closing(_run_parallel(jobs, workers)) as finished:  # any exit ends the running cells
+        for i, (run_dir, seconds, error) in enumerate(finished, 1):
+            name = Path(run_dir).name
+            status = "FAILED" if error else "done"
+            log(f"  [{i}/{len(jobs)}] {name}: {status} in {seconds:.0f} s")
+            if error:
+                failed[name] = error
     wall = time.perf_counter() - t0
     (out / "failed.json").write_text(json.dumps(failed, indent=1))
     timing = {"wall_seconds": wall, "cells_run": len(jobs), "cells_failed": len(failed),

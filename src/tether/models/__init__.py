@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import os
-import shutil
 import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from transformers import (
@@ -55,7 +57,8 @@ def ensure_default_model(
     `moe_experts` (experts per layer) and `moe_aux_loss` (the router load-balancing loss's
     weight in the warm start), MoE only, keyed only when not the default. The
     directory loads with AutoModelForCausalLM / AutoTokenizer. It is written to a
-    temporary directory and renamed into place, so a killed build leaves no half model.
+    temporary directory and renamed into place, so a killed build leaves no half model;
+    concurrent callers build it once (`build_lock`), the others wait and load it.
     """
     from tether.tasks.countdown import ALPHABET, CountdownTask
 
@@ -73,23 +76,49 @@ def ensure_default_model(
     out = default_model_dir(cache_dir, moe, seed, warmstart_steps, key, arch)
     if (out / "config.json").is_file():
         return out
-    tokenizer = build_char_tokenizer(ALPHABET)
-    model = build_tiny_model(len(tokenizer), moe=moe, seed=seed, experts=moe_experts)
-    if verbose:
-        print(f"building tether's tiny {'MoE' if moe else 'dense'} model: "
-              f"{warmstart_steps} warm-start steps -> {out}")
-    warm_start(model, tokenizer, task, warmstart_steps, seed=seed,
-               log_every=max(1, warmstart_steps // 5) if verbose else 0,
-               router_aux_loss=moe_aux_loss if moe else 0.0)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=".building-"))
-    model.save_pretrained(tmp)
-    tokenizer.save_pretrained(tmp)
-    try:
-        tmp.rename(out)
-    except OSError:  # another process finished the same build first
-        shutil.rmtree(tmp, ignore_errors=True)
+    with build_lock(out, verbose):  # a second process waits here for the first one's build
+        if (out / "config.json").is_file():
+            return out
+        tokenizer = build_char_tokenizer(ALPHABET)
+        model = build_tiny_model(len(tokenizer), moe=moe, seed=seed, experts=moe_experts)
+        if verbose:
+            print(f"building tether's tiny {'MoE' if moe else 'dense'} model: "
+                  f"{warmstart_steps} warm-start steps -> {out}")
+        warm_start(model, tokenizer, task, warmstart_steps, seed=seed,
+                   log_every=max(1, warmstart_steps // 5) if verbose else 0,
+                   router_aux_loss=moe_aux_loss if moe else 0.0)
+        tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=".building-"))
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        tmp.rename(out)  # a killed build leaves no half model
     return out
+
+
+@contextmanager
+def build_lock(out: Path, verbose: bool) -> Iterator[None]:
+    """Hold an exclusive lock on OUT's build (an flock on `.OUT.lock` beside it: released by
+    the kernel when its holder dies, so a killed build never blocks the next)."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with open(out.parent / f".{out.name}.lock", "a") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            if verbose:
+                print(f"waiting for another process building {out}", flush=True)
+            fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def quiet_transformers() -> None:
+    """No per-model progress bars or advisories from transformers in this process: worker
+    processes, ranks and experiment cells load models whose bars would flood the output."""
+    import transformers
+
+    transformers.utils.logging.disable_progress_bar()
+    transformers.utils.logging.set_verbosity_error()
 
 
 def load_model(path: str | Path) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:

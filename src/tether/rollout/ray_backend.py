@@ -14,6 +14,10 @@ Imported only when the config asks for Ray (tether.rollout.backend.build_backend
   (zero-copy on the actor's node after one transfer per node) only when it starts a
   batch and the offer is newer than what its engine holds. Because calls to an actor run
   in order, an item submitted after a publish is sampled with that version or newer.
+- Start: a cluster address that does not answer, or an actor Ray cannot place (no node
+  with the resources it asks for), fails within `run.start_timeout` with an
+  `EnvironmentFault` naming the key to check. An actor is placed first and builds its
+  engine after (`build`), so the bound never counts a long model load.
 - Faults: an actor that dies (its pending calls raise `RayActorError`) is replaced by a
   new actor with the same index, offered the newest version, and each of its in-flight
   items is returned as `Lost` (ledger: dropped `worker_died`, issued again). A worker
@@ -23,6 +27,8 @@ Imported only when the config asks for Ray (tether.rollout.backend.build_backend
 from __future__ import annotations
 
 import os
+import socket
+import threading
 import time
 import warnings
 from typing import Any
@@ -30,6 +36,8 @@ from typing import Any
 import torch
 
 from tether.config import Config
+from tether.errors import EnvironmentFault, InputError
+from tether.models import quiet_transformers
 from tether.rollout.backend import Lost
 from tether.rollout.worker import BatchResult, RolloutEngine, WorkItem
 from tether.weights.publisher import PackedWeights, pack
@@ -51,11 +59,22 @@ def actor_name(run_name: str, driver_pid: int, index: int, restart: int = 0) -> 
 
 class RolloutActor:
     """A rollout worker in a Ray actor: an engine, the newest weights offered to it, and
-    batches made on request."""
+    batches made on request. Placed empty; `build` makes the engine (calls to an actor run
+    in order, so every `make` comes after it)."""
 
     def __init__(self, index: int, cfg: Config, model_path: str):
-        self.engine = RolloutEngine(index, cfg, model_path)
+        self.index, self.cfg, self.model_path = index, cfg, model_path
+        self.engine: RolloutEngine | None = None
         self.offered: tuple[int, list[Any]] | None = None  # (version, [object ref])
+        self.idle_since = time.perf_counter()
+
+    def ready(self) -> None:
+        """Answers once the actor is placed and its process is up."""
+
+    def build(self) -> None:
+        quiet_transformers()
+        self.engine = RolloutEngine(self.index, self.cfg, self.model_path)
+        self.engine.announce()
         self.idle_since = time.perf_counter()
 
     def offer(self, version: int, ref: list[Any]) -> None:
@@ -67,6 +86,8 @@ class RolloutActor:
     def make(self, item: WorkItem) -> BatchResult:
         """Load the newest version offered (if newer than the engine's), then the batch."""
         engine = self.engine
+        if engine is None:
+            raise RuntimeError(f"worker {self.index}'s engine failed to build (see its error)")
         if self.offered is not None and self.offered[0] > engine.version:
             version, layout, buffer = ray.get(self.offered[1][0])
             with warnings.catch_warnings():  # the object store's buffer is read-only; the
@@ -88,21 +109,43 @@ class RayBackend:
     def __init__(self, cfg: Config, model_path: str, run_name: str):
         self.started_ray = not ray.is_initialized()
         if self.started_ray:  # else: the caller's Ray (a test, a notebook) is used as is
-            # "local": a new Ray on this machine even where `ray start` left one running.
-            ray.init(address=cfg.loop.ray_address or "local", include_dashboard=False)
+            connect(cfg.loop.ray_address, cfg.run.start_timeout)
         self.cfg, self.model_path = cfg, model_path
         self.run_name = run_name
         self.remote_cls = ray.remote(RolloutActor)
-        self.actors = [self._start(i) for i in range(cfg.loop.workers)]
-        self.restarts = [0] * cfg.loop.workers
+        self.actors: list[Any] = []
         self.pending: dict[Any, tuple[int, Any, WorkItem]] = {}  # ref -> (index, actor, item)
+        try:
+            self.actors = [self._start(i) for i in range(cfg.loop.workers)]
+            self._await_placed(cfg.run.start_timeout)
+        except BaseException:
+            self.stop()
+            raise
+        self.restarts = [0] * cfg.loop.workers
         self.version, self.weights = -1, None  # the newest version and its object ref
 
     def _start(self, index: int, restart: int = 0) -> Any:
-        return self.remote_cls.options(
-            name=actor_name(self.run_name, os.getpid(), index, restart), num_cpus=self.cfg.loop.worker_cpus, num_gpus=self.cfg.loop.worker_gpus,
+        actor = self.remote_cls.options(
+            name=actor_name(self.run_name, os.getpid(), index, restart),
+            num_cpus=self.cfg.loop.worker_cpus, num_gpus=self.cfg.loop.worker_gpus,
             max_restarts=0,  # replaced by the driver, which knows which items were lost
         ).remote(index, self.cfg, self.model_path)
+        actor.build.remote()  # its error, if any, comes back with the first batch
+        return actor
+
+    def _await_placed(self, timeout: float) -> None:
+        """Every actor placed within `timeout` seconds, or an EnvironmentFault saying what
+        each asked for and what the cluster has free."""
+        waiting = {actor.ready.remote(): i for i, actor in enumerate(self.actors)}
+        ready, late = ray.wait(list(waiting), num_returns=len(waiting), timeout=timeout)
+        ray.get(ready)  # an actor that died starting raises here
+        if late:
+            c = self.cfg.loop
+            raise EnvironmentFault(
+                f"rollout worker actor(s) {sorted(waiting[r] for r in late)} not started within "
+                f"{timeout:g} s (run.start_timeout): each asks Ray for {c.worker_cpus:g} CPU and "
+                f"{c.worker_gpus:g} GPU (loop.worker_cpus, loop.worker_gpus), and the cluster "
+                f"has {_free()} free; lower them, or add nodes")
 
     def submit(self, item: WorkItem) -> None:
         load = [0] * len(self.actors)
@@ -146,9 +189,64 @@ class RayBackend:
 
     def stop(self) -> None:
         """Kill the actors (what they were making was dropped in the ledger); shut Ray down
-        if this backend started it."""
+        if this backend started it (once)."""
         for actor in self.actors:
             ray.kill(actor, no_restart=True)
-        self.pending.clear()
+        self.actors, self.pending = [], {}
         if self.started_ray:
+            self.started_ray = False
             ray.shutdown()
+
+
+def connect(address: str | None, timeout: float) -> None:
+    """`ray.init` for `loop.ray_address` (None: a new local Ray, even where `ray start` left
+    one running), failing within `timeout` seconds, naming the key, where Ray itself would
+    retry forever: a host that does not resolve, a port nothing listens on, a listener
+    that is not Ray."""
+    key = f"loop.ray_address={address}"
+    hint = ("check the address `ray start --head` printed (host:port of its GCS, 6379 by "
+            "default), or leave loop.ray_address empty for a local Ray")
+    if address in (None, "local"):
+        # In this thread: Ray ends the processes it starts when the thread that started them ends.
+        ray.init(address="local", include_dashboard=False)
+        return
+    if address != "auto":
+        host, port = _host_port(address, key)
+        try:
+            socket.create_connection((host, port), timeout=min(timeout, 10.0)).close()
+        except OSError as e:
+            raise EnvironmentFault(f"{key}: cannot reach {host}:{port}: {e}; {hint}") from None
+    done: list[BaseException | None] = []
+
+    def join() -> None:  # joining a cluster starts no process here, so a thread may do it
+        try:
+            ray.init(address=address, include_dashboard=False)
+            done.append(None)
+        except BaseException as e:  # noqa: BLE001 - handed to the caller's thread
+            done.append(e)
+
+    thread = threading.Thread(target=join, daemon=True, name="tether-ray-join")
+    thread.start()
+    thread.join(timeout)
+    if not done:
+        raise EnvironmentFault(f"{key}: Ray did not connect within {timeout:g} s "
+                               f"(run.start_timeout); {hint}")
+    if isinstance(done[0], ConnectionError):
+        raise EnvironmentFault(f"{key}: {done[0]}; {hint}") from None
+    if done[0] is not None:
+        raise done[0]
+
+
+def _host_port(address: str, key: str) -> tuple[str, int]:
+    """host and port of 'host:port', '[v6]:port' or 'ray://host:port' (Ray's client)."""
+    rest = address.removeprefix("ray://")
+    host, sep, port = rest.rpartition(":")
+    if not sep or not port.isdigit():
+        raise InputError(f"{key}: expected 'auto', 'host:port' or 'ray://host:port'")
+    return host.strip("[]"), int(port)
+
+
+def _free() -> dict[str, float]:
+    """What the cluster has free now, of CPUs and GPUs."""
+    free = ray.available_resources()
+    return {k: free.get(k, 0.0) for k in ("CPU", "GPU")}

@@ -16,6 +16,7 @@ from __future__ import annotations
 import os
 import queue as queue_lib
 import signal
+import sys
 import time
 import traceback
 from dataclasses import dataclass
@@ -25,6 +26,7 @@ import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from tether.config import Config
+from tether.models import quiet_transformers
 from tether.models.tokenizer import encode_exact
 from tether.rollout.types import Generator, Rollout, SamplingParams
 from tether.setup import (
@@ -102,11 +104,13 @@ class RolloutEngine:
     (tether.rollout.ray_backend) both wrap one; weights reach it through `load_weights`."""
 
     def __init__(self, index: int, cfg: Config, model_path: str):
+        self.started = time.perf_counter()
         torch.set_num_threads(cfg.loop.worker_threads)
-        self.index, self.partial = index, cfg.loop.partial
+        self.cfg, self.index, self.partial = cfg, index, cfg.loop.partial
         self.task, self.reward_fn = build_task_and_reward(cfg)
         # On `run.device`: a Ray actor's is the GPU it was given.
         path, model, self.tokenizer = load_policy(cfg, model_path)
+        self.device = model.device
         self.generator = build_generator(cfg, model, path, self.tokenizer)
         self.sampling = sampling_params(cfg, model.config.vocab_size)
         # The scorer's model starts as the engine does: the weights on disk, as version 0.
@@ -114,6 +118,13 @@ class RolloutEngine:
                                 self.generator.version) if scores_old_in_worker(cfg) else None
         self.sampling_now = False  # a load while sampling is a partial rollout's
         self.load_s = 0.0  # spent loading weights since the last batch was made
+
+    def announce(self) -> None:
+        """The worker's one line at start: its engine, device and start-up time."""
+        r = self.cfg.rollout
+        where = f" on {self.device}" if r.engine == "hf" else ""  # vLLM places itself
+        print(f"tether: rollout worker {self.index} ready: {r.engine} engine ({r.precision})"
+              f"{where}, {time.perf_counter() - self.started:.1f} s", file=sys.stderr, flush=True)
 
     @property
     def version(self) -> int:
@@ -203,9 +214,11 @@ def worker_main(index: int, cfg: Config, model_path: str, parent_pid: int, tasks
                 results: Any, weights: Any) -> None:
     """Build an engine and the reward, then make rewarded batches until told to stop (None)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C: the trainer stops the run in order
+    quiet_transformers()
     item = None
     try:
         engine = RolloutEngine(index, cfg, model_path)
+        engine.announce()
         subscriber = WeightSubscriber(weights, engine)
         while True:
             t0 = time.perf_counter()
