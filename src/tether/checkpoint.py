@@ -37,7 +37,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from tether.config import Config, ConfigError, load_config, parse_overrides, resumable_keys
-from tether.errors import InputError, as_os_error
+from tether.errors import InputError, os_errors_at
 
 FORMAT = 1
 CHECKPOINTS = "checkpoints"
@@ -85,12 +85,8 @@ def save_checkpoint(run_dir: str | Path, step: int, state: RunState, keep: int) 
     encoder = _Encoder()
     meta = encoder.encode(tree, "")
     tmp = Path(tempfile.mkdtemp(dir=root, prefix=f".tmp-step-{step:08d}-"))
-    try:
+    with os_errors_at(tmp / "state.safetensors"):
         save_file(encoder.tensors, tmp / "state.safetensors", metadata={"format": "pt"})
-    except Exception as e:  # safetensors reports a full disk as its own error
-        if (os_error := as_os_error(e, tmp / "state.safetensors")) is None:
-            raise
-        raise os_error from e
     (tmp / "state.json").write_text(json.dumps({"format": FORMAT, "step": step, "state": meta}))
     mask = os.umask(0)
     os.umask(mask)  # (mkdtemp and safetensors create private files; a run dir is shared as usual)

@@ -179,8 +179,9 @@ Run one of the papers' experiments on the embedded testbed (DESIGN.md section 7)
 Each cell is one training run in OUT/cells/<scenario>__<method>__s<seed>, run in parallel
 worker processes (one torch thread each). Rerunning the same command skips finished cells
 and resumes interrupted ones. Ctrl-C or SIGTERM ends every running cell with the processes
-it started (exit 130/143); a cell whose parent was killed ends itself within a second. Writes OUT/summary.csv (one row per scenario x method),
-OUT/cells.csv, OUT/summary.json; `tether report OUT` builds the HTML page and plots.
+it started (exit 130/143); a cell whose parent was killed ends itself within a second.
+Writes OUT/summary.csv (one row per scenario x method), OUT/cells.csv, OUT/summary.json;
+`tether report OUT` builds the HTML page and plots.
 Definitions of every number: docs/experiments.md."""
 
 REPORT_HELP = """\

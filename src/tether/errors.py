@@ -19,6 +19,8 @@ from __future__ import annotations
 import errno
 import os
 import re
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 
 class InputError(ValueError):
@@ -81,13 +83,16 @@ def describe_os_error(e: OSError, where: str | None = None) -> str:
     return f"{path}: {cause}{code}" if path else f"{cause}{code}"
 
 
-def as_os_error(e: BaseException, path: object) -> OSError | None:
-    """The OSError behind `e` at `path`: `e` itself, or safetensors' own error, which
-    carries the OS error code only in its text ('I/O error: No space left on device (os
-    error 28)')."""
-    if isinstance(e, OSError):
-        return e
-    if m := re.search(r"\(os error (\d+)\)", str(e)):
+@contextmanager
+def os_errors_at(path: object) -> Iterator[None]:
+    """Raise safetensors' own error for an OS failure (it carries the OS error code only in
+    its text: 'I/O error: No space left on device (os error 28)') as the OSError at `path`
+    it stands for, so a full disk is classified as one (`environment_fault`)."""
+    try:
+        yield
+    except Exception as e:
+        m = None if isinstance(e, OSError) else re.search(r"\(os error (\d+)\)", str(e))
+        if m is None:
+            raise
         code = int(m.group(1))
-        return OSError(code, os.strerror(code), str(path))
-    return None
+        raise OSError(code, os.strerror(code), str(path)) from e

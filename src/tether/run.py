@@ -19,7 +19,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from tether.checkpoint import RunState, check_fresh_run_dir, list_checkpoints, load_checkpoint
 from tether.config import Config, dump_config
-from tether.errors import EnvironmentFault, as_os_error, describe_os_error
+from tether.errors import EnvironmentFault, describe_os_error, os_errors_at
 from tether.evaluate import greedy_accuracy, heldout_scores
 from tether.guards import check_prompts
 from tether.logger import RunLogger, open_logger
@@ -99,12 +99,8 @@ class Run:
                rewards: list[float]) -> RunResult:
         """Save the trained model (safetensors, loads with from_pretrained); the result."""
         final = self.run_dir / "final"
-        try:
+        with os_errors_at(final / "model.safetensors"):
             self.model.save_pretrained(final)
-        except Exception as e:  # safetensors reports a full disk as its own error
-            if (os_error := as_os_error(e, final / "model.safetensors")) is None:
-                raise
-            raise os_error from e
         self.tokenizer.save_pretrained(final)
         return RunResult(self.run_dir, before["eval/accuracy"], after["eval/accuracy"],
                          before.get("eval/accuracy_sampled"), after.get("eval/accuracy_sampled"),
