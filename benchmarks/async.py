@@ -336,11 +336,11 @@ def publish_cost(model_path: str, repeats: int = 5) -> None:
         return len(ray.get(box[0])[2])
 
     print(f"{'what':8s} {'MB':>8s} {'pack':>9s} {'local':>9s} {'ray':>9s} {'fetch':>9s}   "
-          "(local = pack + shared memory, ray = pack + ray.put, fetch = one actor's ray.get)")
+          "(local = packed into shared memory, ray = pack + ray.put, fetch = one actor's ray.get)")
     for name, sd in cases.items():
         mb = sum(t.numel() * t.element_size() for t in sd.values()) / 2**20
         t_pack = median(lambda sd=sd: pack(0, sd))
-        t_local = median(lambda sd=sd: pack(0, sd).buffer.share_memory_())
+        t_local = median(lambda sd=sd: pack(0, sd, shared=True))
 
         def put(sd=sd):
             packed = pack(0, sd)

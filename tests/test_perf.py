@@ -86,7 +86,7 @@ def test_no_tokens_by_vocabulary_logits_in_a_training_step(monkeypatch):
     trainer = Trainer(model, TrainConfig(estimator="dlc", micro_batch=B), sampling)
     adv = group_advantages(torch.randn(B), batch.group_ids, True)
     full = score_batch(model, batch, sampling, micro_batch=B)  # one chunk: every token
-    monkeypatch.setattr(tether.trainer.scoring, "LOGIT_CHUNK_ELEMENTS", 16 * V)  # 16 tokens a chunk
+    monkeypatch.setitem(tether.trainer.scoring.LOGIT_CHUNK_ELEMENTS, "cpu", 16 * V)  # 16 tokens a chunk
     chunked = score_batch(model, batch, sampling, micro_batch=B)
     torch.testing.assert_close(chunked.logp, full.logp, rtol=0, atol=1e-5)
     torch.testing.assert_close(chunked.topk, full.topk, rtol=0, atol=1e-5)

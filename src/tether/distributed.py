@@ -39,10 +39,10 @@ import torch
 import torch.distributed as dist
 
 from tether.config import Config
-from tether.errors import EnvironmentFault, RankFailed
+from tether.errors import EnvironmentFault, InputError, RankFailed
 from tether.models import quiet_transformers
 from tether.rollout.worker import next_or_orphaned
-from tether.setup import load_policy, sampling_params
+from tether.setup import configure_numerics, load_policy, resolve_device, sampling_params
 from tether.trainer import Trainer
 
 TIMEOUT = timedelta(minutes=5)  # a collective waiting this long for a rank fails
@@ -87,7 +87,8 @@ class RankView:
         """Sum the gradients over ranks in place (one flat buffer). A parameter without a
         gradient on this rank (an MoE expert no token of its shard reached) counts as zero;
         one without a gradient on every rank keeps none, as with one process."""
-        has = torch.tensor([p.grad is not None for p in params], dtype=torch.int32)
+        has = torch.tensor([p.grad is not None for p in params], dtype=torch.int32,
+                           device=params[0].device)  # nccl reduces only GPU tensors
         dist.all_reduce(has)
         live = [p for p, h in zip(params, has.tolist()) if h]
         for p in live:
@@ -134,8 +135,10 @@ class TrainerRanks(RankView):
             p.start()
         self.closed = False
         self._await_joining(joining, cfg.run.start_timeout)
+        if device.type == "cuda":
+            torch.cuda.set_device(device)  # nccl's collectives (all_gather_object) use it
         dist.init_process_group(backend, init_method=init, rank=0, world_size=W, timeout=TIMEOUT)
-        _shared(state)
+        state = _shared(on_device(state, "cpu"))  # each rank moves it to its own device
         for q in self.queues:
             q.put(state)  # every rank starts from rank 0's weights and optimizer moments
         self.device, self._devices = str(device), None
@@ -177,7 +180,9 @@ class TrainerRanks(RankView):
     def begin(self, *work: Any) -> None:
         """Hand the other ranks this step's (batch, advantages, logp_old, topk_logp_old)."""
         self.check(intact=True)
-        _shared(work)
+        # Through host memory: a CUDA tensor would reach the ranks as a handle to rank 0's
+        # GPU, valid only while rank 0 keeps it, and on the wrong device for them.
+        work = _shared(on_device(work, "cpu"))
         for q in self.queues:
             q.put(work)
 
@@ -249,24 +254,56 @@ def _rank_main(rank: int, world_size: int, backend: str, init: str, cfg: Config,
     per batch sent."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C: rank 0 finishes the step, then stops us
     quiet_transformers()
-    if cfg.run.threads:
-        torch.set_num_threads(cfg.run.threads)
+    configure_numerics(cfg)
+    device = rank_device(resolve_device(cfg.run.device), rank,
+                         torch.cuda.device_count() if torch.cuda.is_available() else 0)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)  # before the process group: nccl binds to it
     joining.put(rank)
     dist.init_process_group(backend, init_method=init, rank=rank, world_size=world_size,
                             timeout=TIMEOUT)
-    _, model, _ = load_policy(cfg, model_path)
-    device = str(next(model.parameters()).device)
-    placed.put((rank, device))  # TrainerRanks.devices
+    _, model, _ = load_policy(cfg, model_path, device)
+    placed.put((rank, str(device)))  # TrainerRanks.devices
     print(f"tether: trainer rank {rank} ready on {device}", file=sys.stderr, flush=True)
     trainer = Trainer(model, cfg.train, sampling_params(cfg, model.config.vocab_size))
     trainer.attach(RankView(rank, world_size))
     # A copy of its own: the queue hands over rank 0's tensors in shared memory, and the
     # optimizer keeps loaded moments without copying them, so a resumed run's ranks would
     # otherwise update one set of Adam moments (and step counts) in place, twice a step.
-    trainer.load_state_dict(copy.deepcopy(work.get()))
+    trainer.load_state_dict(on_device(copy.deepcopy(work.get()), device))
     while (item := next_or_orphaned(work, parent_pid)) is not None:
-        trainer.train_on(*item)
+        trainer.train_on(*on_device(item, device))
     dist.destroy_process_group()
+
+
+def rank_device(device: torch.device, rank: int, gpus: int) -> torch.device:
+    """Where trainer rank `rank` places its model when rank 0's is on `device`: the CPU for
+    every rank, or one GPU each, rank r on the r-th GPU after rank 0's (cuda:N -> cuda:N+r).
+    InputError when there are not that many GPUs (`gpus`: how many torch sees)."""
+    if device.type != "cuda":
+        return device
+    index = (device.index or 0) + rank
+    if index >= gpus:
+        raise InputError(
+            f"train.world_size: trainer rank {rank} needs cuda:{index} (one GPU per rank, "
+            f"from run.device={device}), and torch sees {gpus} GPU(s); lower train.world_size "
+            "or start from a lower run.device")
+    return torch.device("cuda", index)
+
+
+def on_device(obj: Any, device: torch.device | str) -> Any:
+    """`obj` with every tensor in it (in dicts, lists, tuples, dataclasses) on `device`
+    (tensors already there are kept, not copied)."""
+    if isinstance(obj, torch.Tensor):
+        return obj.to(device)
+    if isinstance(obj, dict):
+        return {k: on_device(v, device) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(on_device(v, device) for v in obj)
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return dataclasses.replace(obj, **{f.name: on_device(getattr(obj, f.name), device)
+                                           for f in dataclasses.fields(obj) if f.init})
+    return obj
 
 
 def _shared(obj: Any) -> Any:

@@ -77,9 +77,10 @@ def first_nonfinite(tensors: Mapping[str, torch.Tensor | None], mask: torch.Tens
     for name, t in tensors.items():
         if t is None:
             continue
-        values = t[keep] if t.shape[: mask.dim()] == mask.shape else t
+        if t.shape[: mask.dim()] == mask.shape:  # padding set to 0, not indexed out (a sync)
+            t = torch.where(keep.reshape(*keep.shape, *[1] * (t.dim() - keep.dim())), t, 0)
         names.append(name)
-        flags.append(torch.isfinite(values.detach()).all())
+        flags.append(torch.isfinite(t.detach()).all())
     if not flags:
         return None
     ok = torch.stack(flags).tolist()

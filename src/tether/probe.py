@@ -160,7 +160,7 @@ def epsilon_bins(logp_old: torch.Tensor, logp_rollout: torch.Tensor, mask: torch
         if e.numel() == 0:
             out.append(EpsilonBin(lo, hi, 0, float("nan"), float("nan"), float("nan")))
             continue
-        q05, q95 = torch.quantile(e, torch.tensor([0.05, 0.95], dtype=e.dtype)).tolist()
+        q05, q95 = torch.quantile(e, e.new_tensor([0.05, 0.95])).tolist()
         mad = float((e - e.median()).abs().median())
         out.append(EpsilonBin(lo, hi, int(e.numel()), mad, q05, q95))
     return out

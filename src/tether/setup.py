@@ -3,7 +3,8 @@
 The driver (tether.run), the rollout workers (tether.rollout.worker), the data-parallel
 trainer ranks (tether.distributed) and `tether probe` each build the parts they need:
 
-    seed_process           torch's seed and thread count (the driver and the probe)
+    seed_process           torch's seed and numerics (the driver and the probe)
+    configure_numerics     thread count and `run.deterministic` (every process that runs torch)
     build_task_and_reward  the task and the reward function
     load_policy            the model on `run.device` and its tokenizer
     sampling_params        how the generator samples from it
@@ -13,6 +14,7 @@ trainer ranks (tether.distributed) and `tether probe` each build the parts they 
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
@@ -31,10 +33,22 @@ from tether.tasks.base import Task
 
 
 def seed_process(cfg: Config) -> None:
-    """Seed torch with `run.seed` and use `run.threads` threads (0: torch's default)."""
+    """Seed torch with `run.seed`, then `configure_numerics`."""
     torch.manual_seed(cfg.run.seed)
+    configure_numerics(cfg)
+
+
+def configure_numerics(cfg: Config) -> None:
+    """`run.threads` torch threads (0: torch's default), and with `run.deterministic` only
+    deterministic kernels: on a GPU, index_add, scatter and the attention backward otherwise
+    sum in a varying order, so a resumed run matches the uninterrupted one only up to
+    float rounding (docs/reliability.md). An op with no deterministic kernel then raises."""
     if cfg.run.threads:
         torch.set_num_threads(cfg.run.threads)
+    if cfg.run.deterministic:
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # cuBLAS's condition
+        torch.use_deterministic_algorithms(True)
+        torch.backends.cudnn.benchmark = False
 
 
 def sampling_seed(cfg: Config, index: int) -> int:
@@ -50,11 +64,13 @@ def build_task_and_reward(cfg: Config) -> tuple[Task, Any]:
 
 
 def load_policy(cfg: Config, model_path: str | Path | None = None,
+                device: torch.device | None = None,
                 ) -> tuple[Path, PreTrainedModel, PreTrainedTokenizerBase]:
     """The model directory (`model_path`, else `resolve_model_path`), its fp32 model on
-    `run.device`, and its tokenizer. How to sample from it: `sampling_params`."""
+    `device` (default: `run.device`), and its tokenizer. How to sample from it:
+    `sampling_params`."""
     path = Path(model_path) if model_path is not None else resolve_model_path(cfg)
-    device = resolve_device(cfg.run.device)
+    device = device if device is not None else resolve_device(cfg.run.device)
     model, tokenizer = load_model(path)
     return path, model.to(device), tokenizer
 
@@ -113,11 +129,32 @@ def build_generator(cfg: Config, model: PreTrainedModel, model_path: Path,
 
         topk = resolve_logprobs_topk(cfg, model.config.vocab_size)
         generator = VLLMGenerator(model_path, r.precision, eos_token_id=tokenizer.eos_token_id,
-                                  max_logprobs=max(20, topk), record_routes=record)
+                                  max_logprobs=max(20, topk), record_routes=record,
+                                  **vllm_memory(r, on_cpu=not torch.cuda.is_available()))
         generator.load_weights(model.state_dict(), version=0)
         return generator
     return HFGenerator(model, tokenizer.eos_token_id, tokenizer.pad_token_id, r.precision,
                        r.router_noise, record_routes=record, logit_noise=logit_noise(r))
+
+
+def vllm_memory(r: RolloutConfig, on_cpu: bool) -> dict[str, Any]:
+    """The vLLM engine's memory settings from `rollout.vllm_*`. Its KV cache: `vllm_kv_cache_gib`
+    when set; else on a GPU what `vllm_gpu_memory_utilization` leaves after the weights
+    (vLLM's own sizing), and on the CPU 0.25 GiB (vLLM's CPU sizing would count the
+    trainer's memory in this process against the engine's share)."""
+    kv = r.vllm_kv_cache_gib if r.vllm_kv_cache_gib is not None else (0.25 if on_cpu else None)
+    return {"max_model_len": r.vllm_max_model_len or None,
+            "kv_cache_bytes": None if kv is None else int(kv * 2**30),
+            "gpu_memory_utilization": r.vllm_gpu_memory_utilization,
+            "enforce_eager": r.vllm_enforce_eager}
+
+
+def actor_config(cfg: Config) -> Config:
+    """The config a Ray rollout actor builds its engine from: `run.device` is the driver's,
+    which the actor cannot see; an actor holds `loop.worker_gpus` GPUs, and Ray shows it
+    those as its cuda:0 (none: Ray hides every GPU, so the CPU)."""
+    device = "cuda" if cfg.loop.worker_gpus > 0 else "cpu"
+    return cfg.model_copy(update={"run": cfg.run.model_copy(update={"device": device})})
 
 
 def scores_old_in_worker(cfg: Config) -> bool:

@@ -73,6 +73,15 @@ class Config(Node):
                 "cannot take new weights between decode steps of a running batch; use "
                 "rollout.engine=hf or loop.partial=false"
             )
+        if self.train.world_size > 1 and self.rollout.engine == "vllm" and self.loop.mode == "sync":
+            raise CrossFieldError(
+                ["train.world_size", "rollout.engine", "loop.mode"],
+                f"train.world_size={self.train.world_size} with rollout.engine=vllm and "
+                "loop.mode=sync: the synchronous loop runs vLLM in the trainer's process, where "
+                "vLLM sets up torch.distributed's default process group for itself (and ends it "
+                "on close), so the trainer ranks cannot have it; use loop.mode=async (vLLM then "
+                "runs in rollout workers), or rollout.engine=hf"
+            )
         if self.loop.score_old == "worker" and self.train.routing_replay == "r2":
             raise CrossFieldError(
                 ["loop.score_old", "train.routing_replay"],

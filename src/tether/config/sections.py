@@ -99,6 +99,25 @@ class RolloutConfig(Node):
         f"when it is at most {EXACT_TOPK_MAX_VOCAB} (exact centering), else {DEFAULT_CENTERING_TOPK}.",
     )
 
+    vllm_max_model_len: int = Field(
+        0, ge=0, description="vllm engine: longest prompt + response it accepts (0: the model's "
+        "context, config.json's max_position_embeddings). Lower it for a long-context model: "
+        "vLLM refuses to start when its KV cache cannot hold one sequence this long.",
+    )
+    vllm_gpu_memory_utilization: float = Field(
+        0.3, gt=0.0, le=1.0, description="vllm engine: share of the GPU's memory it may take, "
+        "weights and KV cache (on CPU: of RAM). The trainer shares the GPU in-process: leave it "
+        "room (its fp32 weights, Adam moments, activations).",
+    )
+    vllm_kv_cache_gib: float | None = Field(
+        None, gt=0.0, description="vllm engine: KV cache size in GiB. Empty: on a GPU, what "
+        "vllm_gpu_memory_utilization leaves after the weights; on CPU 0.25.",
+    )
+    vllm_enforce_eager: bool = Field(
+        True, description="vllm engine: no CUDA graphs or torch.compile (fast start). false: "
+        "faster decoding on a GPU after a slower start.",
+    )
+
     @model_validator(mode="after")
     def _hf_only(self) -> RolloutConfig:
         if self.router_noise > 0 and self.engine != "hf":
@@ -363,6 +382,12 @@ class RunConfig(Node):
         description="Where the trainer's weights and the hf engine run: auto (cuda if torch sees "
         "a GPU, else cpu), cpu, cuda or cuda:N. vLLM picks its own device. Apple's mps is not "
         "offered: it has no float64, which the mismatch diagnostics need.",
+    )
+    deterministic: bool = Field(
+        False, description="Deterministic kernels only (torch.use_deterministic_algorithms): a "
+        "resumed run on a GPU then matches the uninterrupted one bit for bit, at some speed; "
+        "off, it matches up to float rounding (on CPU it always matches). See "
+        "docs/reliability.md.",
     )
     progress: bool = Field(True, json_schema_extra=RESUMABLE,
         description="Show a progress bar.")

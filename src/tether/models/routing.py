@@ -68,14 +68,16 @@ def _routed_forward(router: nn.Module, kind: RouterKind, state: _RouterState):
         h = hidden_states.reshape(-1, router.weight.shape[1])
         logits = F.linear(h, router.weight)  # (N, E)
         if state.noise_std > 0:
-            noise = torch.randn(logits.shape, generator=state.noise, dtype=torch.float32)
-            logits = logits + (noise * state.noise_std).to(logits.dtype)
+            # Drawn where the generator lives (a CUDA generator draws only CUDA tensors).
+            noise = torch.randn(logits.shape, generator=state.noise, dtype=torch.float32,
+                                device=state.noise.device)
+            logits = logits + (noise * state.noise_std).to(logits.device, logits.dtype)
         probs = torch.softmax(logits, dtype=torch.float, dim=-1)
         if state.replay is not None:
             if state.replay.shape != (h.shape[0], router.top_k):
                 raise ValueError(f"routing replay: {tuple(state.replay.shape)} experts for "
                                  f"{h.shape[0]} tokens x top-{router.top_k}")
-            idx = state.replay
+            idx = state.replay.to(probs.device)  # no-op when the batch is where the model is
             top = probs.gather(-1, idx)  # grad reaches the router through the softmax
         else:
             top, idx = torch.topk(probs, router.top_k, dim=-1)
@@ -199,8 +201,9 @@ def route(model: nn.Module, replay: torch.Tensor | None = None,
                 _unpatch(router)
 
 
-def pad_routes(rows: int, width: int, layers: int, k: int, dtype: torch.dtype) -> torch.Tensor:
+def pad_routes(rows: int, width: int, layers: int, k: int, dtype: torch.dtype,
+               device: torch.device | str = "cpu") -> torch.Tensor:
     """(rows, width, layers, k) routes for positions nobody routed (padding, a response's
     last token): experts 0..k-1 everywhere, distinct like a real choice; those positions
-    feed no scored log-prob. A fresh tensor, to be filled with real routes."""
-    return torch.arange(k, dtype=dtype).expand(rows, width, layers, k).clone()
+    feed no scored log-prob. A fresh tensor on `device`, to be filled with real routes."""
+    return torch.arange(k, dtype=dtype, device=device).expand(rows, width, layers, k).clone()

@@ -109,12 +109,13 @@ class HFGenerator:
                                 before_step if refresh is not None else None,
                                 after_forward if routes is not None else None, perturb)
         L = max(len(p) for p in rows)
-        experts = torch.cat(columns, dim=1) if columns else None  # (B, L + steps, layers, k)
+        # (B, L + steps, layers, k), moved to the host once, not row by row
+        experts = torch.cat(columns, dim=1).cpu().numpy() if columns else None
         rollouts = []
         for i, (ids, logps, topk_ids, topk_logp, finish) in enumerate(out):
             versions = step_versions[:len(ids)]
             # Positions the generator forwarded: the prompt, and the response but its last token.
-            routed = None if experts is None else experts[i, L - len(rows[i]):L + len(ids) - 1].cpu().numpy()
+            routed = None if experts is None else experts[i, L - len(rows[i]):L + len(ids) - 1].copy()
             rollouts.append(
                 Rollout(
                     prompt_id=prompt_ids[i // n],

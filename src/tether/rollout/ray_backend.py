@@ -40,6 +40,7 @@ from tether.errors import EnvironmentFault, InputError
 from tether.models import quiet_transformers
 from tether.rollout.backend import Lost
 from tether.rollout.worker import BatchResult, RolloutEngine, WorkItem
+from tether.setup import actor_config
 from tether.weights.publisher import PackedWeights, pack
 
 try:
@@ -129,7 +130,7 @@ class RayBackend:
             name=actor_name(self.run_name, os.getpid(), index, restart),
             num_cpus=self.cfg.loop.worker_cpus, num_gpus=self.cfg.loop.worker_gpus,
             max_restarts=0,  # replaced by the driver, which knows which items were lost
-        ).remote(index, self.cfg, self.model_path)
+        ).remote(index, actor_config(self.cfg), self.model_path)
         actor.build.remote()  # its error, if any, comes back with the first batch
         return actor
 

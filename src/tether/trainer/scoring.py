@@ -128,16 +128,18 @@ class Scores:
     experts: torch.Tensor | None  # (B, P+T, layers, k) the MoE experts used, when recorded
 
 
-# Logits of at most this many elements exist at once (64 MiB in fp32): the output embedding
-# runs on chunks of tokens, so a 152k vocabulary never materialises (tokens, V) in full.
-LOGIT_CHUNK_ELEMENTS = 1 << 24
+# Logits of at most this many elements exist at once (fp32: 64 MiB on a CPU, 1 GiB on a
+# GPU, where fewer, larger matmuls keep it busy): the output embedding runs on chunks of
+# tokens, so a 152k vocabulary never materialises (tokens, V) in full.
+LOGIT_CHUNK_ELEMENTS = {"cpu": 1 << 24, "cuda": 1 << 28}
 
 
 def score_tokens(model: PreTrainedModel, batch: RolloutTensors, sampling: SamplingParams,
                  record: bool = False, precision: str = "fp32") -> Scores:
     """Log-probs of the sampled tokens and of the top-K ids under `model`, replaying
     `batch.routed_experts` when set; `record`: also the experts its MoE layers used.
-    `precision`: the trainer's numerics (`autocast`); the log-softmax is fp32 either way.
+    `precision`: the trainer's numerics (`autocast`) up to the output embedding, which
+    with the log-softmax runs in fp32 either way.
 
     Costs nothing on padding: columns that are padding in every row are cut before the
     forward, and the output embedding runs only on the sampled tokens' positions, in
@@ -152,16 +154,19 @@ def score_tokens(model: PreTrainedModel, batch: RolloutTensors, sampling: Sampli
         hidden, experts = decode(model, batch.input_ids[:, lo:hi], batch.attention_mask[:, lo:hi],
                                  routed, record, prompt_len=P - lo)
     if experts is not None:  # back to the batch's width, padding routed as `pad_routes`
-        full = pad_routes(B, P + T, *experts.shape[2:], experts.dtype)
+        full = pad_routes(B, P + T, *experts.shape[2:], experts.dtype, experts.device)
         full[:, lo:hi] = experts
         experts = full
     n = hi - P  # response positions that hold a token in some row
     valid = batch.response_mask[:, :n].bool()
     h = hidden[:, P - 1 - lo:hi - 1 - lo][valid]  # (N, H): position P+t-1 predicts token t
     topk_ids = None if batch.topk_ids is None else batch.topk_ids[:, :n][valid]
-    with autocast(batch.input_ids.device, precision):
-        lp, tk = sampled_logprobs(model.get_output_embeddings(), h,
-                                  batch.response_ids[:, :n][valid], topk_ids, sampling)
+    # The output embedding in its weights' dtype (fp32 for the trainer) whatever
+    # `precision`: bf16 logits would be rounded (to ~3 significant digits) before the fp32
+    # log-softmax (MiniMax-M1, arXiv 2506.13585, keeps its LM head in fp32 for this reason).
+    head = model.get_output_embeddings()
+    lp, tk = sampled_logprobs(head, h.to(head.weight.dtype),
+                              batch.response_ids[:, :n][valid], topk_ids, sampling)
     logp = lp.new_zeros(B, T)
     logp[:, :n][valid] = lp
     topk = None
@@ -177,11 +182,11 @@ def sampled_logprobs(head: nn.Module, hidden: torch.Tensor, ids: torch.Tensor,
     """log p(ids) (N,) and log p(topk_ids) (N, K) under the processed distribution
     (`process_logits`: temperature, top-k, top-p) of logits = head(hidden), (N, H).
 
-    The logits exist a chunk of tokens at a time (`LOGIT_CHUNK_ELEMENTS`); with grad and
-    more than one chunk, each chunk's logits are recomputed in the backward pass instead
-    of kept, so memory stays at one chunk's whatever the vocabulary.
+    The logits exist a chunk of tokens at a time (`LOGIT_CHUNK_ELEMENTS` of `hidden`'s
+    device); with grad and more than one chunk, each chunk's logits are recomputed in the
+    backward pass instead of kept, so memory stays at one chunk's whatever the vocabulary.
     """
-    rows = max(1, LOGIT_CHUNK_ELEMENTS // head.weight.shape[0])
+    rows = max(1, logit_chunk_elements(hidden.device) // head.weight.shape[0])
 
     def chunk(h: torch.Tensor, y: torch.Tensor, k: torch.Tensor | None):
         logp_all = process_logits(head(h), sampling.temperature, sampling.top_k, sampling.top_p)
@@ -197,6 +202,12 @@ def sampled_logprobs(head: nn.Module, hidden: torch.Tensor, ids: torch.Tensor,
                      else chunk(*args))
     return (torch.cat([p[0] for p in parts]),
             None if topk_ids is None else torch.cat([p[1] for p in parts]))
+
+
+def logit_chunk_elements(device: torch.device) -> int:
+    """The most logits `sampled_logprobs` builds at once on `device` (the CPU's size for a
+    device without its own)."""
+    return LOGIT_CHUNK_ELEMENTS.get(device.type, LOGIT_CHUNK_ELEMENTS["cpu"])
 
 
 @torch.no_grad()

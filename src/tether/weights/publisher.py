@@ -59,15 +59,16 @@ class PackedWeights:
                 for name, dtype, shape, a, b in self.layout}
 
 
-def pack(version: int, state_dict: dict[str, torch.Tensor]) -> PackedWeights:
-    """One copy of `state_dict` into a flat buffer (shared memory, or the Ray object store,
-    is the publisher's choice)."""
+def pack(version: int, state_dict: dict[str, torch.Tensor], shared: bool = False) -> PackedWeights:
+    """One copy of `state_dict` into a flat host buffer; `shared`: allocated in shared memory
+    (moving a filled buffer there would copy the weights a second time)."""
     layout, offset = [], 0
     for name, t in state_dict.items():
         n = t.numel() * t.element_size()
         layout.append((name, t.dtype, tuple(t.shape), offset, offset + n))
         offset += n
-    buffer = torch.empty(offset, dtype=torch.uint8)
+    buffer = (torch.empty(0, dtype=torch.uint8).set_(torch.UntypedStorage._new_shared(offset))
+              if shared else torch.empty(offset, dtype=torch.uint8))
     for (_, _, _, a, b), t in zip(layout, state_dict.values()):
         buffer[a:b] = t.detach().contiguous().view(-1).view(torch.uint8)
     return PackedWeights(version, buffer, tuple(layout))
@@ -82,8 +83,7 @@ class SharedMemoryPublisher:
         self.version = version  # -1: nothing published yet
 
     def publish(self, version: int, state_dict: dict[str, torch.Tensor]) -> None:
-        packed = pack(version, state_dict)
-        packed.buffer.share_memory_()
+        packed = pack(version, state_dict, shared=True)
         for q in self.queues:
             q.put(packed)
         self.version = version
