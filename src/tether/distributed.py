@@ -31,6 +31,7 @@ import signal
 import socket
 import sys
 import time
+from collections.abc import Callable, Collection
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -138,7 +139,7 @@ class TrainerRanks(RankView):
         if device.type == "cuda":
             torch.cuda.set_device(device)  # nccl's collectives (all_gather_object) use it
         dist.init_process_group(backend, init_method=init, rank=0, world_size=W, timeout=TIMEOUT)
-        state = _shared(on_device(state, "cpu"))  # each rank moves it to its own device
+        state = _shared(state)  # each rank moves it to its own device
         for q in self.queues:
             q.put(state)  # every rank starts from rank 0's weights and optimizer moments
         self.device, self._devices = str(device), None
@@ -149,8 +150,7 @@ class TrainerRanks(RankView):
         would wait for them for minutes)."""
         deadline, joined = time.monotonic() + timeout, set()
         while len(joined) < len(self.procs):
-            dead = [f"rank {r} (exit code {p.exitcode})" for r, p in enumerate(self.procs, 1)
-                    if r not in joined and not p.is_alive()]
+            dead = self._dead(skip=joined)
             late = time.monotonic() >= deadline
             if dead or late:
                 for p in self.procs:
@@ -168,6 +168,11 @@ class TrainerRanks(RankView):
             except queue_lib.Empty:
                 pass
 
+    def _dead(self, skip: Collection[int] = ()) -> list[str]:
+        """'rank R (exit code C)' for each rank process that has ended, but those in `skip`."""
+        return [f"rank {r} (exit code {p.exitcode})" for r, p in enumerate(self.procs, 1)
+                if r not in skip and not p.is_alive()]
+
     @property
     def devices(self) -> list[str]:
         """Where each rank placed its model, in rank order (waits for ranks still loading;
@@ -180,9 +185,7 @@ class TrainerRanks(RankView):
     def begin(self, *work: Any) -> None:
         """Hand the other ranks this step's (batch, advantages, logp_old, topk_logp_old)."""
         self.check(intact=True)
-        # Through host memory: a CUDA tensor would reach the ranks as a handle to rank 0's
-        # GPU, valid only while rank 0 keeps it, and on the wrong device for them.
-        work = _shared(on_device(work, "cpu"))
+        work = _shared(work)
         for q in self.queues:
             q.put(work)
 
@@ -194,8 +197,7 @@ class TrainerRanks(RankView):
         collective that failed, when none is gone yet)."""
         deadline = time.monotonic() + (5.0 if cause is not None else 0.0)
         while True:  # a collective can fail a moment before the dead rank's exit is seen
-            dead = [f"rank {r} (exit code {p.exitcode})" for r, p in enumerate(self.procs, 1)
-                    if not p.is_alive()]
+            dead = self._dead()
             if dead or time.monotonic() >= deadline:
                 break
             time.sleep(0.1)
@@ -255,8 +257,7 @@ def _rank_main(rank: int, world_size: int, backend: str, init: str, cfg: Config,
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C: rank 0 finishes the step, then stops us
     quiet_transformers()
     configure_numerics(cfg)
-    device = rank_device(resolve_device(cfg.run.device), rank,
-                         torch.cuda.device_count() if torch.cuda.is_available() else 0)
+    device = rank_device(resolve_device(cfg.run.device), rank, torch.cuda.device_count())
     if device.type == "cuda":
         torch.cuda.set_device(device)  # before the process group: nccl binds to it
     joining.put(rank)
@@ -292,37 +293,33 @@ def rank_device(device: torch.device, rank: int, gpus: int) -> torch.device:
 
 
 def on_device(obj: Any, device: torch.device | str) -> Any:
-    """`obj` with every tensor in it (in dicts, lists, tuples, dataclasses) on `device`
-    (tensors already there are kept, not copied)."""
-    if isinstance(obj, torch.Tensor):
-        return obj.to(device)
-    if isinstance(obj, dict):
-        return {k: on_device(v, device) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(on_device(v, device) for v in obj)
-    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        return dataclasses.replace(obj, **{f.name: on_device(getattr(obj, f.name), device)
-                                           for f in dataclasses.fields(obj) if f.init})
-    return obj
+    """`obj` with every tensor in it on `device` (tensors already there are kept, not copied)."""
+    return _map_tensors(obj, lambda t: t.to(device))
 
 
 def _shared(obj: Any) -> Any:
-    """`obj` with every CPU tensor in it (in dicts, lists, tuples, dataclasses) moved to
-    shared memory now, in this thread. A torch.multiprocessing queue would otherwise move
-    it in its feeder thread, after `put` returns: the storage is replaced in place and the
-    old one freed while this thread may still be reading it (seen: a segfault in a matmul
-    of the evaluation that follows `start_ranks`)."""
+    """`obj` with every tensor in it in host shared memory, moved there now, in this thread.
+
+    Host memory: a CUDA tensor would reach another rank as a handle to this rank's GPU,
+    valid only while this rank keeps it, and on the wrong device for them. Now: a
+    torch.multiprocessing queue would otherwise move a CPU tensor in its feeder thread,
+    after `put` returns: the storage is replaced in place and the old one freed while this
+    thread may still be reading it (seen: a segfault in a matmul of the evaluation that
+    follows `start_ranks`)."""
+    return _map_tensors(obj, lambda t: t.to("cpu").share_memory_())
+
+
+def _map_tensors(obj: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
+    """`obj` (tensors in dicts, lists, tuples, dataclasses) with `fn` applied to each tensor."""
     if isinstance(obj, torch.Tensor):
-        obj.share_memory_()
-    elif isinstance(obj, dict):
-        for v in obj.values():
-            _shared(v)
-    elif isinstance(obj, (list, tuple)):
-        for v in obj:
-            _shared(v)
-    elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        for f in dataclasses.fields(obj):
-            _shared(getattr(obj, f.name))
+        return fn(obj)
+    if isinstance(obj, dict):
+        return {k: _map_tensors(v, fn) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_map_tensors(v, fn) for v in obj)
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return dataclasses.replace(obj, **{f.name: _map_tensors(getattr(obj, f.name), fn)
+                                           for f in dataclasses.fields(obj) if f.init})
     return obj
 
 
