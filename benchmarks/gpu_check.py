@@ -33,7 +33,6 @@ from __future__ import annotations
 import argparse
 import importlib
 import importlib.util
-import json
 import math
 import os
 import resource
@@ -224,10 +223,6 @@ def median_after_first(rows: list[dict], key: str = "time/step") -> float:
     return statistics.median(values[1:] or values)
 
 
-def read_rows(run_dir: Path) -> list[dict]:
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-
-
 def overrides(host: Host, name: str, *extra: str) -> list[str]:
     """The sections' shared settings (host.sizes, no evaluation beyond step 0 and the end,
     no monitor), with runs and models under host.tmp; then `extra`."""
@@ -244,10 +239,11 @@ def overrides(host: Host, name: str, *extra: str) -> list[str]:
 def train_run(host: Host, name: str, *extra: str) -> list[dict]:
     """A `tether train` run of the shared settings plus `extra`, in this process; its rows."""
     from tether.config import load_config
+    from tether.logger import read_jsonl
     from tether.loops import train
 
     result = train(load_config(CONFIG, overrides(host, name, *extra)))
-    return read_rows(result.run_dir)
+    return read_jsonl(result.run_dir / "metrics.jsonl")
 
 
 def peak_memory(host: Host) -> str:
@@ -270,10 +266,15 @@ def reset_peak(host: Host) -> None:
 # -- the sections ---------------------------------------------------------------------------
 
 
-def device_tests(host: Host) -> None:
+def list_device_tests() -> list[str]:
+    """Print DEVICE_TESTS, marking those missing; the ones there."""
     there = [f for f in DEVICE_TESTS if (ROOT / f).is_file()]
-    missing = [f for f in DEVICE_TESTS if f not in there]
-    print("test files:", " ".join(there) + (f"  (not there: {' '.join(missing)})" if missing else ""))
+    print("test files:", " ".join(f if f in there else f"{f} (not there)" for f in DEVICE_TESTS))
+    return there
+
+
+def device_tests(host: Host) -> None:
+    there = list_device_tests()
     # pytest's output streams through (its last line: the counts), so a kill at the time
     # limit still shows how far it got.
     rc = subprocess.run([sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider",
@@ -479,8 +480,7 @@ class Section:
 def tests_plan(host: Host) -> str | None:
     if host.device == "cuda":
         return None
-    print("test files:", " ".join(f if (ROOT / f).is_file() else f"{f} (not there)"
-                                  for f in DEVICE_TESTS))
+    list_device_tests()
     return "the suite runs them on CPU already (make test)"
 
 
