@@ -73,10 +73,7 @@ def test_each_trainer_rank_gets_a_gpu_of_its_own_or_a_named_error():
 def test_what_rank_0_sends_reaches_a_rank_on_its_own_device():
     """Each step's (batch, advantages, logp_old, topk) and the start state go through host
     memory and are moved to the rank's device; None and plain values pass as they are."""
-    rollouts = [Rollout(prompt_id="p", group_id=0, prompt_ids=[5, 6], response_ids=[3, 4],
-                        logp_rollout=[-1.0, -2.0], version=0, engine="hf", precision="fp32",
-                        finish_reason="length") for _ in range(2)]
-    batch = collate(rollouts, pad_id=0)
+    batch = collate([_rollout([3, 4], prompt=[5, 6]) for _ in range(2)], pad_id=0)
     work = (batch, torch.zeros(2), None, None)
     moved = on_device(work, "meta")
     assert isinstance(moved, tuple) and moved[2] is None and moved[3] is None
@@ -128,11 +125,8 @@ def test_bf16_training_scores_with_an_fp32_output_embedding():
     forward's hidden states, not those of bf16-rounded logits (off by ~1e-2 here)."""
     model = build_tiny_model(21, seed=0).eval()
     g = torch.Generator().manual_seed(0)
-    rollouts = [Rollout(prompt_id="p", group_id=0, prompt_ids=[5, 6, 7],
-                        response_ids=torch.randint(2, 21, (6,), generator=g).tolist(),
-                        logp_rollout=[-1.0] * 6, version=0, engine="hf", precision="fp32",
-                        finish_reason="length") for _ in range(3)]
-    batch = collate(rollouts, pad_id=0)
+    batch = collate([_rollout(torch.randint(2, 21, (6,), generator=g).tolist())
+                     for _ in range(3)], pad_id=0)
     sampling = SamplingParams(n=3, max_new_tokens=6)
     with torch.no_grad():
         got = score_tokens(model, batch, sampling, precision="bf16").logp
@@ -161,11 +155,8 @@ def test_deterministic_mode_trains_on_cpu_kernels(tmp_path):
         assert torch.are_deterministic_algorithms_enabled()
         model = build_tiny_model(21, seed=0)
         g = torch.Generator().manual_seed(1)
-        rollouts = [Rollout(prompt_id=f"p{i // 2}", group_id=i // 2, prompt_ids=[5, 6, 7],
-                            response_ids=torch.randint(2, 21, (4,), generator=g).tolist(),
-                            logp_rollout=[-1.0] * 4, version=0, engine="hf", precision="fp32",
-                            finish_reason="length", reward=float(i % 2)) for i in range(4)]
-        batch = collate(rollouts, pad_id=0)
+        batch = collate([_rollout(torch.randint(2, 21, (4,), generator=g).tolist(), group=i // 2,
+                                  reward=float(i % 2)) for i in range(4)], pad_id=0)
         trainer = Trainer(model, cfg.train, SamplingParams(n=2, max_new_tokens=4))
         adv = group_advantages(batch.rewards, batch.group_ids, True)
         metrics, _ = trainer.train_on(batch, adv, None, None)
@@ -180,3 +171,11 @@ def test_the_shipped_gpu_config_loads_and_says_what_a_real_model_needs():
     r = cfg.rollout
     assert (r.engine, r.precision, cfg.train.precision) == ("vllm", "bf16", "bf16")
     assert r.vllm_max_model_len >= r.max_new_tokens and cfg.train.world_size == 1
+
+
+def _rollout(response: list[int], prompt: list[int] | None = None, group: int = 0,
+             reward: float | None = None) -> Rollout:
+    """A finished hf rollout of `response` after `prompt` (default 5 6 7), log-prob -1 each."""
+    return Rollout(prompt_id=f"p{group}", group_id=group, prompt_ids=prompt or [5, 6, 7],
+                   response_ids=response, logp_rollout=[-1.0] * len(response), version=0,
+                   engine="hf", precision="fp32", finish_reason="length", reward=reward)
