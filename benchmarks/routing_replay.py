@@ -66,4 +66,8 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    import argparse
+
+    argparse.ArgumentParser(description=__doc__.split("\n\n    python")[0],
+                            formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
     main()

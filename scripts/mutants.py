@@ -19,6 +19,7 @@ tests do not check what they claim. Exit status 1 if any mutant survives or brea
 
 from __future__ import annotations
 
+import argparse
 import os
 import re
 import shutil
@@ -230,4 +231,7 @@ def main(names: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("names", nargs="*", metavar="MUTANT", help="mutants to apply (default: all): "
+                   + ", ".join(m.name for m in MUTANTS))
+    sys.exit(main(p.parse_args().names))

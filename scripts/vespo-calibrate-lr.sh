@@ -9,6 +9,9 @@
 # about 20 minutes). The logged `staleness/k3_kl/mean` averages mini-batch 0 (k3 = 0) and
 # mini-batch 1 (one version stale): per version it is twice that.
 set -euo pipefail
+if [[ "${1:-}" == -h || "${1:-}" == --help ]]; then  # the comment above is the help
+  sed -n '2,/^set /p' "$0" | sed -n 's/^# \{0,1\}//p'; exit 0
+fi
 cd "$(dirname "$0")/.."
 # The experiment's own task keys and mini-batch (experiments/vespo.py), not a copy of them.
 TASK=$(.venv/bin/python -c "from tether.experiments import vespo

@@ -11,7 +11,7 @@ seed of the N = 1 grpo reference (it anchors `vs_n1`; five would cost as much as
 Output: runs/experiments/vespo-steps<OPT_STEPS>; `tether report DIR` draws it.
 """
 
-import sys
+import argparse
 
 from tether.experiments import analysis, run_experiment, vespo
 
@@ -27,4 +27,9 @@ def main(opt_steps: int, groups: set[tuple[str, str]]) -> None:
 
 
 if __name__ == "__main__":  # the runner spawns a process per cell, which imports this file
-    main(int(sys.argv[1]), {tuple(g.split(":", 1)) for g in sys.argv[2:]})
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("opt_steps", type=int, metavar="OPT_STEPS", help="optimizer steps per cell")
+    p.add_argument("groups", nargs="+", metavar="GROUP",
+                   help="scenario:method cells to run, e.g. N64:sapo (3 seeds each)")
+    args = p.parse_args()
+    main(args.opt_steps, {tuple(g.split(":", 1)) for g in args.groups})

@@ -10,15 +10,14 @@ the trained batches were. The plots show the same per step. Metric names: docs/m
 from __future__ import annotations
 
 import math
-import textwrap
 from pathlib import Path
 from typing import Any
 
 import yaml
 
+from tether.advice import ROUNDING_K3, advise_run
 from tether.errors import InputError
 from tether.logger import read_jsonl
-from tether.probe import recommend_from_rows
 
 CAUSE_COLORS = {"numerical": "tab:blue", "staleness": "tab:orange", "total": "tab:gray"}
 
@@ -126,9 +125,7 @@ def summarize(rows: list[dict[str, Any]], cfg: dict[str, Any], tau: float | None
                    f"  {_fmt(stale):>14}")
     whole = {c: _mean(series(train_rows, f"{c}/k3_kl/mean")[1]) for c in ("numerical", "staleness")}
     if None not in whole.values():
-        top = max(whole, key=whole.get)
-        ratio = whole[top] / max(min(whole.values()), 1e-300)
-        out.append(f"over the run: {top} dominates ({ratio:.1f}x the other cause's mean k3)")
+        out.append(f"over the run: {dominance(whole)}")
 
     # ESS against the threshold, and the syncs.
     key = "sync/ess/token" if any("sync/ess/token" in r for r in train_rows) else "staleness/ess/token"
@@ -171,16 +168,22 @@ def summarize(rows: list[dict[str, Any]], cfg: dict[str, Any], tau: float | None
         out.append(f"  k3 KL {_fmt(m_k3[0])} -> {_fmt(m_k3[-1])} (max {_fmt(max(m_k3))}); share on rare "
                    f"tokens {share[0]:.1%} -> {share[-1]:.1%} (max {max(share):.1%})")
 
-    # The correction `tether probe` would recommend, from what the run logged.
-    rec = recommend_from_rows(train_rows)
-    if rec is not None:
-        est = cfg.get("train", {}).get("estimator")
-        pol = cfg.get("sync", {}).get("policy")
-        same = rec.estimator == est and rec.sync_policy == pol
-        out += ["", f"recommendation ({rec.cause}): {rec.overrides}"
-                + (" (what this run used)" if same else f" (this run: train.estimator={est} sync.policy={pol})"),
-                textwrap.fill(rec.why, 92)]
+    # Whether either cause is material, and the correction `tether probe` would give.
+    advice = advise_run(train_rows, cfg)
+    if advice is not None:
+        out += ["", "by cause, over the run (thresholds: docs/probe.md):", advice]
     return "\n".join(out)
+
+
+def dominance(k3: dict[str, float]) -> str:
+    """Which cause's mean k3 is larger, by how much, and which one is float rounding."""
+    top = max(k3, key=k3.get)
+    low = min(k3, key=k3.get)
+    if k3[top] < ROUNDING_K3:
+        return f"both causes at float rounding (k3 {k3[top]:.1e} and {k3[low]:.1e})"
+    if k3[low] < ROUNDING_K3:
+        return f"{top} dominates; {low} is float rounding (k3 {k3[low]:.1e})"
+    return f"{top} dominates ({k3[top] / k3[low]:.2g}x the other cause's mean k3)"
 
 
 def plot(rows: list[dict[str, Any]], cfg: dict[str, Any], out_dir: Path,
@@ -307,6 +310,13 @@ def plot(rows: list[dict[str, Any]], cfg: dict[str, Any], out_dir: Path,
     axes[-1][0].set_xlabel("step")
     save(fig, "learning.png")
     return paths
+
+
+def run_advice(run_dir: str | Path) -> str | None:
+    """The split by cause and the advice for a finished run, without the reasons (the end of
+    `tether train`; `tether inspect` gives them)."""
+    rows, cfg = load_run(run_dir)
+    return advise_run([r for r in rows if r.get("step", 0) > 0 and "version" in r], cfg, why=False)
 
 
 def inspect_run(run_dir: str | Path, out_dir: str | Path | None = None, plots: bool = True,

@@ -12,9 +12,9 @@ With the run's own model, engine, generator numerics and sampling, the probe
    batches from the same (unsynced) generator, then the token ESS and k3 of
    pi_theta / pi_old on the first batches, which were not trained on. The trainer moves;
    the engine keeps its weights, as a stale generator would.
-4. `recommend`: DLC's guidance (Li, Zhou, Lan; DESIGN.md) as rules on those figures, naming a preset and a sync policy.
-
-Thresholds are constants below; docs/probe.md says where they come from.
+4. `tether.advice`: whether each cause is material (its thresholds, derived in
+   docs/probe.md), and DLC's guidance (Li, Zhou, Lan; DESIGN.md) for the material ones: a
+   preset and a sync policy, or "nothing to correct" and the config's own.
 """
 
 from __future__ import annotations
@@ -22,29 +22,25 @@ from __future__ import annotations
 import copy
 import itertools
 import math
-import textwrap
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from tether.advice import (
+    TAIL_BAND,
+    TAIL_SHARE,
+    Evidence,
+    Recommendation,
+    format_advice,
+    numerical_finding,
+    recommend,
+    staleness_finding,
+)
 from tether.config import Config
 from tether.lazy import torch
 
 # Generator confidence mu(y_t) bins for eps (CIS Appendix A reports per-bin spread).
 CONFIDENCE_EDGES = (0.0, 0.2, 0.5, 0.8, 0.95, 1.0)
 CIS_APPENDIX_A = {"mad": (0.16, 0.24), "q95": (0.26, 0.50)}
-# A cause is "present" above these (per-token k3 KL). fp32 engines sit near 1e-13 and fp16
-# near 1e-6 on the tiny model (docs/mismatch.md); bf16 2e-5 and fp8 4e-4 count.
-NUMERICAL_FLOOR = 1e-5
-STALENESS_FLOOR = 1e-3
-# Staleness at which the re-sync matters: DLC's ESS threshold.
-ESS_TAU = 0.5
-# Heavy tail: a share of tokens whose rho leaves MIS's [1/2, 2] band that far exceeds
-# what a Gaussian eps of the measured spread gives (effectively none below spread 0.2).
-TAIL_BAND = math.log(2.0)
-# MoE: routing is the main numerical source when this share of tokens changes experts in
-# some layer (R3 measured ~10% of router decisions differing between vLLM and Megatron).
-ROUTING_SHARE = 0.05
-TAIL_SHARE = 1e-3
 
 
 @dataclass(frozen=True)
@@ -59,18 +55,6 @@ class EpsilonBin:
     q95: float
 
 
-@dataclass(frozen=True)
-class Recommendation:
-    cause: str  # none | numerical | staleness | both
-    estimator: str
-    sync_policy: str
-    why: str
-
-    @property
-    def overrides(self) -> str:
-        return f"train.estimator={self.estimator} sync.policy={self.sync_policy}"
-
-
 @dataclass
 class ProbeResult:
     settings: dict[str, Any]
@@ -78,6 +62,7 @@ class ProbeResult:
     epsilon: list[EpsilonBin]
     routing: dict[str, float] | None
     staleness: dict[str, float] | None
+    evidence: Evidence
     recommendation: Recommendation
     notes: list[str] = field(default_factory=list)
 
@@ -90,8 +75,10 @@ class ProbeResult:
                 return [clean(x) for x in v]
             return None if isinstance(v, float) and not math.isfinite(v) else v
 
-        return clean({**asdict(self), "recommendation": {**asdict(self.recommendation),
-                                                         "overrides": self.recommendation.overrides}})
+        rec, e = self.recommendation, self.evidence
+        findings = {f.cause: asdict(f) for f in (numerical_finding(e), staleness_finding(e))}
+        return clean({**asdict(self), "findings": findings, "recommendation": {
+            **asdict(rec), "overrides": rec.overrides, "headline": rec.headline}})
 
     def format(self) -> str:
         s, n = self.settings, self.numerical
@@ -124,13 +111,9 @@ class ProbeResult:
             lines.append(f"Staleness after {int(st['steps'])} optimizer steps at lr {s['lr']:g} "
                          f"({s['staleness_source']}): token ESS {st['ess']:.3f}, k3 KL {st['k3']:.2e}")
         lines += [f"Note: {note}" for note in self.notes]
-        r = self.recommendation
-        lines += ["", f"Recommendation ({r.cause}): {r.overrides}", _wrap(r.why)]
+        lines += ["", "By cause (thresholds: docs/probe.md):",
+                  format_advice(self.evidence, self.recommendation)]
         return "\n".join(lines)
-
-
-def _wrap(text: str, width: int = 92) -> str:
-    return textwrap.fill(text, width)
 
 
 # -- pure measurements -----------------------------------------------------------------------
@@ -168,7 +151,8 @@ def epsilon_bins(logp_old: torch.Tensor, logp_rollout: torch.Tensor, mask: torch
 
 def numerical_summary(logp_old: torch.Tensor, logp_rollout: torch.Tensor,
                       mask: torch.Tensor, floor: float) -> dict[str, float]:
-    """k1, k3, max |log rho|, the share outside [1/2, 2] and outside the trainer's support."""
+    """k1, k3, sequence chi2, max |log rho|, the share outside [1/2, 2] and outside the
+    trainer's support."""
     from tether.diagnostics import divergence_metrics
 
     keep = mask.bool()
@@ -178,98 +162,23 @@ def numerical_summary(logp_old: torch.Tensor, logp_rollout: torch.Tensor,
     return {
         "k1": d["numerical/k1_kl/mean"],
         "k3": d["numerical/k3_kl/mean"],
+        "chi2_seq": seq_chi2(log_rho, keep),
         "max_abs_log_rho": d["numerical/abs_log_ratio/max"],
         "tail_share": float(((log_rho.abs() > TAIL_BAND) & keep).sum()) / n,
         "outside_support": float(((logp_old <= floor / 2) & keep).sum()) / n,
     }
 
 
-def recommend(numerical_k3: float, tail_share: float | None, staleness_k3: float | None = None,
-              ess: float | None = None, routing_any: float | None = None,
-              staleness_what: str = "the configured staleness",
-              heavy: bool | None = None) -> Recommendation:
-    """DLC's guidance as rules (docs/probe.md).
-
-    numerical only -> cis (calibrated IS); icepop masks instead when rho's tail is heavy or
-    MoE routing moves more than ROUTING_SHARE of tokens; staleness only -> staleness IS with the ESS re-sync; both -> dlc (its centering for the
-    numerical part, staleness IS + ESS re-sync for the other); neither -> on-policy grpo.
-    """
-    numerical = numerical_k3 > NUMERICAL_FLOOR
-    stale = staleness_k3 is not None and (staleness_k3 > STALENESS_FLOOR
-                                          or (ess is not None and ess < ESS_TAU))
-    if heavy is None:
-        heavy = tail_share is not None and tail_share > TAIL_SHARE
-    tail_txt = ("most steps saw a token" if tail_share is None
-                else f"{tail_share:.2%} of tokens have") + " rho outside [1/2, 2]"
-    num_txt = f"numerical k3 {numerical_k3:.1e}"
-    if routing_any:
-        num_txt += f", {routing_any:.1%} of tokens routed to other experts"
-    if stale:
-        st_txt = f"staleness k3 {staleness_k3:.1e} after {staleness_what}" + (
-            f", token ESS {ess:.2f}" if ess is not None else "")
-    if numerical and stale:
-        return Recommendation(
-            "both", "dlc", "ess:0.5",
-            f"Both causes are present ({num_txt}; {st_txt}). DLC's guidance for both: "
-            "center the score over the generator's top-K head for the numerical part (it "
-            "persists after any re-sync), weight by the capped staleness ratio pi_theta/pi_old, "
-            "and re-sync the generator when the staleness ESS falls below 0.5, which is where "
-            "DLC saw runs start to drift.")
-    if stale:
-        return Recommendation(
-            "staleness", "stale_is+none", "ess:0.5",
-            f"Staleness dominates ({st_txt}; {num_txt}, below {NUMERICAL_FLOOR:.0e}). The "
-            "generator's weights lag the trainer's, so weight each token by the capped "
-            "staleness ratio pi_theta/pi_old and re-sync when its ESS falls below 0.5; at equal "
-            "weights the engine matches the trainer, so no numerical correction is needed.")
-    if numerical and routing_any is not None and routing_any > ROUTING_SHARE:
-        return Recommendation(
-            "numerical", "icepop", "every:1",
-            f"Numerical mismatch only, most of it from MoE routing ({num_txt}; no staleness "
-            "configured or measured). A token sent to other experts can move its probability "
-            "far, the tail a cap keeps as bias; IcePop masks the tokens whose rho leaves "
-            "[1/2, 2] (it was made for MoE routing mismatch). Routing replay "
-            "(train.routing_replay=r3, docs/mismatch.md) removes the source.")
-    if numerical and heavy:
-        return Recommendation(
-            "numerical", "icepop", "every:1",
-            f"Numerical mismatch only, with a heavy tail ({num_txt}; {tail_txt}). Truncating a heavy tail keeps its bias; masking the "
-            "tokens outside the band (IcePop / MIS) drops them instead. cis (calibrated "
-            "truncation) is the alternative when few tokens leave the band."
-            + (" With MoE routing disagreement, routing replay removes its source."
-               if routing_any else ""))
-    if numerical:
-        return Recommendation(
-            "numerical", "cis", "every:1",
-            f"Numerical mismatch only ({num_txt}; no staleness configured or measured). It is a "
-            "fixed bias of the engine, not of time: calibrated importance sampling (cis) "
-            "corrects it with a cap that loosens on low-confidence tokens, where TIS's fixed "
-            "cap biases most; a re-sync cannot remove it.")
-    return Recommendation(
-        "none", "grpo", "every:1",
-        f"Generator and trainer agree ({num_txt}, below {NUMERICAL_FLOOR:.0e}; no staleness"
-        f"{'' if staleness_k3 is None else f' beyond k3 {staleness_k3:.1e}'}): on-policy GRPO "
-        "needs no correction.")
-
-
-def recommend_from_rows(rows: list[dict[str, Any]]) -> Recommendation | None:
-    """The same rules on what a run logged (`tether inspect`): the run's mean numerical and
-    staleness k3, its lowest staleness ESS, and its mean routing disagreement. The share of
-    tokens outside [1/2, 2] is not logged; a run counts as heavy-tailed when most steps saw
-    a token outside it (numerical/abs_log_ratio/max > log 2). None without mismatch rows."""
-    def values(key: str) -> list[float]:
-        return [float(r[key]) for r in rows if isinstance(r.get(key), (int, float)) and math.isfinite(r[key])]
-
-    num = values("numerical/k3_kl/mean")
-    if not num:
-        return None
-    stale, ess = values("staleness/k3_kl/mean"), values("staleness/ess/token")
-    peaks, routing = values("numerical/abs_log_ratio/max"), values("numerical/routing_disagreement/any_layer")
-    heavy = sum(p > TAIL_BAND for p in peaks) > len(peaks) / 2
-    return recommend(sum(num) / len(num), None,
-                     sum(stale) / len(stale) if stale else None, min(ess) if ess else None,
-                     sum(routing) / len(routing) if routing else None,
-                     f"{len(num)} logged steps (mean)", heavy=heavy)
+def seq_chi2(log_rho: torch.Tensor, mask: torch.Tensor) -> float:
+    """chi2(pi_old || mu) over whole responses, self-normalised: 1/ESS - 1 of the sequence
+    weights prod_t rho_t, i.e. n sum w^2 / (sum w)^2 - 1 (>= 0 on any sample, unlike the
+    plain mean(w^2) - 1, which dips below 0 when chi2 is small)."""
+    rows = mask.bool().any(dim=-1)
+    seq = torch.where(mask.bool(), log_rho.double(), 0.0).sum(dim=-1)[rows]
+    if seq.numel() == 0:
+        return 0.0
+    w = torch.exp(seq - seq.max())
+    return max(0.0, float(seq.numel() * (w * w).sum() / w.sum() ** 2 - 1))
 
 
 # -- the probe itself ------------------------------------------------------------------------
@@ -347,11 +256,15 @@ def probe(cfg: Config, batches: int = 2) -> ProbeResult:
                          "k3": divergence_metrics(log_r, mask.bool(), "staleness")["staleness/k3_kl/mean"]}
     finally:
         generator.close()
-    rec = recommend(numerical["k3"], numerical["tail_share"],
-                    None if staleness is None else staleness["k3"],
-                    None if staleness is None else staleness["ess"],
-                    None if routing is None else routing["any_layer"],
-                    f"{steps} optimizer steps ({source})")
+    evidence = Evidence(
+        numerical_k3=numerical["k3"], numerical_chi2_seq=numerical["chi2_seq"],
+        batch=max(1, r.prompts_per_step * r.group_size // cfg.train.minibatches),
+        tail_share=numerical["tail_share"], heavy=numerical["tail_share"] > TAIL_SHARE,
+        routing_any=None if routing is None else routing["any_layer"],
+        staleness_k3=None if staleness is None else staleness["k3"],
+        ess=None if staleness is None else staleness["ess"],
+        staleness_what=f"{steps} optimizer steps ({source})")
+    rec = recommend(evidence, cfg.train.estimator, cfg.sync.policy)
     settings = {"model": str(model_path), "engine": r.engine, "precision": r.precision,
                 "router_noise": r.router_noise, "routing_replay": cfg.train.routing_replay,
                 "logit_noise": r.logit_noise, "logit_noise_dof": r.logit_noise_dof,
@@ -360,7 +273,7 @@ def probe(cfg: Config, batches: int = 2) -> ProbeResult:
                 "lr": cfg.train.lr, "estimator": cfg.train.estimator,
                 "staleness_source": source or "none", "batches": batches,
                 "batch_size": r.prompts_per_step * r.group_size, "tokens": int(mask.sum())}
-    return ProbeResult(settings, numerical, eps, routing, staleness, rec, notes)
+    return ProbeResult(settings, numerical, eps, routing, staleness, evidence, rec, notes)
 
 
 def _cat(parts: list[torch.Tensor]) -> torch.Tensor:

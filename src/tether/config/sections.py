@@ -386,7 +386,8 @@ class RunConfig(Node):
     deterministic: bool = Field(
         False, description="Deterministic kernels only (torch.use_deterministic_algorithms): a "
         "resumed run on a GPU then matches the uninterrupted one bit for bit, at some speed; "
-        "off, it matches up to float rounding (on CPU it always matches). See "
+        "off, it matches up to float rounding (on CPU with one thread it always matches; with "
+        "more, some kernels add in a varying order too). See "
         "docs/reliability.md.",
     )
     progress: bool = Field(True, json_schema_extra=RESUMABLE,

@@ -11,6 +11,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+import torch
 from transformers import (
     AutoConfig,
     AutoModelForCausalLM,
@@ -84,9 +85,16 @@ def ensure_default_model(
         if verbose:
             print(f"building tether's tiny {'MoE' if moe else 'dense'} model: "
                   f"{warmstart_steps} warm-start steps -> {out}")
-        warm_start(model, tokenizer, task, warmstart_steps, seed=seed,
-                   log_every=max(1, warmstart_steps // 5) if verbose else 0,
-                   router_aux_loss=moe_aux_loss if moe else 0.0)
+        # The one-time build is a batch-128 SFT that scales with cores; run.threads (often 1,
+        # which suits the RL loop's small batches) would double its time on two cores.
+        threads = torch.get_num_threads()
+        torch.set_num_threads(max(threads, len(os.sched_getaffinity(0))))
+        try:
+            warm_start(model, tokenizer, task, warmstart_steps, seed=seed,
+                       log_every=max(1, warmstart_steps // 5) if verbose else 0,
+                       router_aux_loss=moe_aux_loss if moe else 0.0)
+        finally:
+            torch.set_num_threads(threads)
         tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=".building-"))
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
