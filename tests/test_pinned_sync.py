@@ -25,6 +25,9 @@ compared with its capability's old pin only if its first row (the held-out sampl
 training) matches it, and skips otherwise. Elsewhere only the steps and the metric names
 are compared, and the test skips, naming the key (shown by pytest's -rs summary).
 Re-record (only for an intended change of trajectory, on each kind) with TETHER_WRITE_PIN=1.
+Since the warm start uses every core (issue 34), a fresh test model has other weights, hence
+another fingerprint: AVX512/dbdf2a241e30 is the 2-core AVX-512 kind's, recorded from a clean
+clone; the pins of models built on one thread stay for caches that hold them.
 """
 
 from __future__ import annotations
