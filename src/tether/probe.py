@@ -171,14 +171,11 @@ def numerical_summary(logp_old: torch.Tensor, logp_rollout: torch.Tensor,
 
 def seq_chi2(log_rho: torch.Tensor, mask: torch.Tensor) -> float:
     """chi2(pi_old || mu) over whole responses, self-normalised: 1/ESS - 1 of the sequence
-    weights prod_t rho_t, i.e. n sum w^2 / (sum w)^2 - 1 (>= 0 on any sample, unlike the
-    plain mean(w^2) - 1, which dips below 0 when chi2 is small)."""
-    rows = mask.bool().any(dim=-1)
-    seq = torch.where(mask.bool(), log_rho.double(), 0.0).sum(dim=-1)[rows]
-    if seq.numel() == 0:
-        return 0.0
-    w = torch.exp(seq - seq.max())
-    return max(0.0, float(seq.numel() * (w * w).sum() / w.sum() ** 2 - 1))
+    weights prod_t rho_t (tether.estimators.ess_seq, as numerical/ess/seq is logged); >= 0 on
+    any sample, unlike the plain mean(w^2) - 1, which dips below 0 when chi2 is small."""
+    from tether.estimators.ess import ess_seq
+
+    return 1.0 / float(ess_seq(log_rho.double(), mask)) - 1.0
 
 
 # -- the probe itself ------------------------------------------------------------------------
