@@ -38,6 +38,11 @@ def series(rows: list[dict[str, Any]], key: str) -> tuple[list[int], list[float]
     return [s for s, _ in pts], [x for _, x in pts]
 
 
+def training_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The rows of training steps (not step 0's evaluation-only row)."""
+    return [r for r in rows if r.get("step", 0) > 0 and "version" in r]
+
+
 def load_run(run_dir: str | Path) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     run_dir = Path(run_dir)
     path = run_dir / "metrics.jsonl"
@@ -79,7 +84,7 @@ def _steps_list(steps: list[int], limit: int = 12) -> str:
 def summarize(rows: list[dict[str, Any]], cfg: dict[str, Any], tau: float | None = None,
               windows: int = 5) -> str:
     """The terminal summary (see the module docstring)."""
-    train_rows = [r for r in rows if r.get("step", 0) > 0 and "version" in r]
+    train_rows = training_rows(rows)
     if not train_rows:
         return "no training steps logged yet"
     tau, resyncs = threshold(cfg, tau)
@@ -197,7 +202,7 @@ def plot(rows: list[dict[str, Any]], cfg: dict[str, Any], out_dir: Path,
 
     tau, resyncs = threshold(cfg, tau)
     out_dir.mkdir(parents=True, exist_ok=True)
-    train_rows = [r for r in rows if r.get("step", 0) > 0 and "version" in r]
+    train_rows = training_rows(rows)
     synced = [r["step"] for r in train_rows if _num(r.get("sync/synced"))]
     tripped = [r["step"] for r in train_rows if _num(r.get("sync/tripped"))]
     title = (f"{cfg.get('train', {}).get('estimator', '?')}, generator "
@@ -316,7 +321,7 @@ def run_advice(run_dir: str | Path) -> str | None:
     """The split by cause and the advice for a finished run, without the reasons (the end of
     `tether train`; `tether inspect` gives them)."""
     rows, cfg = load_run(run_dir)
-    return advise_run([r for r in rows if r.get("step", 0) > 0 and "version" in r], cfg, why=False)
+    return advise_run(training_rows(rows), cfg, why=False)
 
 
 def inspect_run(run_dir: str | Path, out_dir: str | Path | None = None, plots: bool = True,
