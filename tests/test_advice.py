@@ -14,6 +14,7 @@ from tether.advice import (
     ROUNDING_K3,
     Evidence,
     advise_run,
+    batch_of,
     evidence_from_rows,
     numerical_finding,
     recommend,
@@ -107,10 +108,10 @@ def test_evidence_from_a_runs_rows():
              "staleness/ess/token": ess} for k3, ess in ((0.0, 1.0), (0.011, 0.977), (0.004, 0.99))]
     cfg = {"rollout": {"prompts_per_step": 32, "group_size": 8}, "train": {"minibatches": 2,
            "estimator": "grpo"}, "sync": {"policy": "bounded:2"}}
-    e = evidence_from_rows(rows, cfg)
+    e = evidence_from_rows(rows, batch_of(cfg))
     assert e.batch == 128 and e.ess == 0.977 and e.staleness_k3 == pytest.approx(0.005)
     text = advise_run(rows, cfg)
     assert "numerical  k3 8.0e-14/token: float rounding" in text
     assert "staleness  k3 5.0e-03/token, lowest token ESS 0.977 >= 0.7" in text
     assert "advice: nothing to correct: keep train.estimator=grpo sync.policy=bounded:2" in text
-    assert evidence_from_rows([{"step": 0}], cfg) is None
+    assert evidence_from_rows([{"step": 0}], 128) is None

@@ -171,12 +171,12 @@ def format_advice(e: Evidence, rec: Recommendation, why: bool = True, width: int
     return "\n".join(lines + ([textwrap.fill(rec.why, width)] if why else []))
 
 
-def evidence_from_rows(rows: list[dict[str, Any]], cfg: dict[str, Any]) -> Evidence | None:
-    """What a run logged (`tether inspect`, the end of `tether train`): the mean numerical k3
-    and sequence chi2 (1/ESS - 1 of numerical/ess/seq), the mean staleness k3 and its lowest token ESS, the mean routing
-    disagreement; N from the config. The tail share is not logged: a run counts as heavy-
-    tailed when most steps saw a token outside [1/2, 2] (numerical/abs_log_ratio/max > log 2).
-    None without mismatch rows."""
+def evidence_from_rows(rows: list[dict[str, Any]], batch: int) -> Evidence | None:
+    """What a run logged (`tether inspect`, the end of `tether train`, `tether.api.advise`):
+    the mean numerical k3 and sequence chi2 (1/ESS - 1 of numerical/ess/seq), the mean
+    staleness k3 and its lowest token ESS, the mean routing disagreement; `batch` is N. The
+    tail share is not logged: a run counts as heavy-tailed when most steps saw a token
+    outside [1/2, 2] (numerical/abs_log_ratio/max > log 2). None without mismatch rows."""
     def values(key: str) -> list[float]:
         return [float(r[key]) for r in rows if isinstance(r.get(key), (int, float))
                 and not isinstance(r.get(key), bool) and math.isfinite(r[key])]
@@ -189,20 +189,24 @@ def evidence_from_rows(rows: list[dict[str, Any]], cfg: dict[str, Any]) -> Evide
         return None
     stale, ess = values("staleness/k3_kl/mean"), values("staleness/ess/token")
     peaks = values("numerical/abs_log_ratio/max")
-    r, t = cfg.get("rollout", {}), cfg.get("train", {})
-    batch = max(1, r.get("prompts_per_step", 1) * r.get("group_size", 1) // t.get("minibatches", 1))
     return Evidence(
         numerical_k3=mean(num),
         numerical_chi2_seq=mean([1 / x - 1 for x in values("numerical/ess/seq") if x > 0]) or 0.0,
         batch=batch, heavy=sum(p > TAIL_BAND for p in peaks) > len(peaks) / 2,
         routing_any=mean(values("numerical/routing_disagreement/any_layer")),
         staleness_k3=mean(stale), ess=min(ess) if ess else None,
-        staleness_what=f"{len(num)} logged steps (mean k3, lowest ESS)")
+        staleness_what=f"{len(num)} logged step{'s' if len(num) > 1 else ''} (mean k3, lowest ESS)")
+
+
+def batch_of(cfg: dict[str, Any]) -> int:
+    """N, the responses in one optimizer step, from a run's config (as a dict)."""
+    r, t = cfg.get("rollout", {}), cfg.get("train", {})
+    return max(1, r.get("prompts_per_step", 1) * r.get("group_size", 1) // t.get("minibatches", 1))
 
 
 def advise_run(rows: list[dict[str, Any]], cfg: dict[str, Any], why: bool = True) -> str | None:
     """The split and the advice for a run's rows and its config (as a dict); None if unlogged."""
-    e = evidence_from_rows(rows, cfg)
+    e = evidence_from_rows(rows, batch_of(cfg))
     if e is None:
         return None
     rec = recommend(e, cfg.get("train", {}).get("estimator", "grpo"),

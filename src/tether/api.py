@@ -1,0 +1,93 @@
+"""tether on tensors, for any trainer (TRL, verl, your own loop): the split of the
+generator/trainer disagreement, every estimator as a loss, the ESS re-sync decision, and
+whether a cause is material. These are the functions `tether train` runs, not copies.
+Shapes (B, T) for B responses of T tokens; mask 1 on the response tokens; no config objects.
+
+    from tether import api
+    metrics = api.split(mask, logp_rollout=mu, logp_old=old, logp=new)  # tether's metric names
+    out = api.loss("tis", logp=new, logp_old=old, logp_rollout=mu, advantages=adv, mask=mask)
+    out.loss.backward()                                 # out.metrics: the estimator's own
+    ess, resync = api.resync(new, old, mask, tau=0.5)   # DLC's re-sync: ESS of pi_theta/pi_old
+    print(api.advise(metrics, batch=B))                 # nothing to correct, or what to use
+
+What the log-probs a framework has can tell apart (docs/integrations.md):
+    mu, pi_old, pi_theta   numerical, staleness and total
+    mu, pi_old             numerical only (before the step, or an on-policy step)
+    pi_old, pi_theta       staleness only: the engine's sampling log-probs were not kept
+    mu, pi_theta           total only: without pi_old, numerics and weight lag are one ratio
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any
+
+from tether.advice import Recommendation, evidence_from_rows, format_advice, recommend
+from tether.diagnostics import decompose, mismatch_metrics
+from tether.estimators import LossOutput, TokenBatch, build_estimator
+from tether.lazy import torch
+from tether.weights.policy import EssTrigger, staleness_ess
+
+
+def split(mask: torch.Tensor, *, logp_rollout: torch.Tensor | None = None,
+          logp_old: torch.Tensor | None = None,
+          logp: torch.Tensor | None = None) -> dict[str, float]:
+    """The mismatch metrics of docs/metrics.md for each cause the given log-probs identify.
+
+    logp_rollout is mu (the engine's log-prob of each sampled token), logp_old pi_old (the
+    trainer at the sampling weights), logp pi_theta (the trainer now). Any two of the three
+    suffice; a cause they cannot identify is left out, not reported as zero.
+    """
+    known = {n for n, t in (("mu", logp_rollout), ("old", logp_old), ("new", logp)) if t is not None}
+    if len(known) < 2:
+        raise ValueError("split needs two of logp_rollout, logp_old, logp: one log-prob has "
+                         "nothing to be compared with")
+    for name, t in (("logp_rollout", logp_rollout), ("logp_old", logp_old), ("logp", logp)):
+        if t is not None and t.shape != mask.shape:
+            raise ValueError(f"{name} has shape {tuple(t.shape)}, mask {tuple(mask.shape)}")
+    if logp is None:  # mu, pi_old
+        causes, d = ("numerical",), decompose(logp_rollout, logp_old, None, mask)
+    elif logp_old is None:  # mu, pi_theta: only their ratio, the total
+        causes, d = ("total",), decompose(logp_rollout, logp_rollout, logp, mask)
+    elif logp_rollout is None:  # pi_old, pi_theta
+        causes, d = ("staleness",), decompose(logp_old, logp_old, logp, mask)
+    else:
+        causes, d = ("numerical", "staleness", "total"), decompose(logp_rollout, logp_old, logp, mask)
+    return {k: v for k, v in mismatch_metrics(d).items() if k.split("/", 1)[0] in causes}
+
+
+def loss(estimator: str, *, logp: torch.Tensor, logp_old: torch.Tensor,
+         logp_rollout: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
+         **extra: Any) -> LossOutput:
+    """A preset ("dlc", "cis", "vespo", ...; `tether estimators` lists them) or a composition
+    ("ppo+tis") as a differentiable loss, with its metrics.
+
+    `extra`: the estimator's parameters (cap=3.0), and the TokenBatch tensors it may read:
+    logp_prox (decoupled PPO), topk_ids, topk_logp_rollout, topk_logp, topk_logp_old
+    (centering: the generator's top-K ids, log mu, log pi_theta with grad, log pi_old).
+    """
+    tensors = {k: extra.pop(k) for k in ("logp_prox", "topk_ids", "topk_logp_rollout",
+                                         "topk_logp", "topk_logp_old") if k in extra}
+    batch = TokenBatch(logp=logp, logp_old=logp_old, logp_rollout=logp_rollout,
+                       advantages=advantages, mask=mask, **tensors)
+    return build_estimator(estimator, **extra)(batch)
+
+
+def resync(logp: torch.Tensor, logp_old: torch.Tensor, mask: torch.Tensor,
+           tau: float = 0.5) -> tuple[float, bool]:
+    """DLC's re-sync test (`sync.policy=ess:TAU`): the token ESS of pi_theta/pi_old on the
+    incoming batch, and whether it is below tau (re-sync the generator to current weights)."""
+    ess = staleness_ess(logp, logp_old, mask)
+    return ess, EssTrigger(tau).trips(ess)
+
+
+def advise(metrics: dict[str, float], batch: int, estimator: str = "grpo",
+           sync_policy: str = "every:1") -> tuple[Recommendation, str]:
+    """Whether a cause in `split`'s metrics is material (docs/probe.md) and what to do: the
+    recommendation and its printable lines. `batch`: responses per optimizer step (N)."""
+    e = evidence_from_rows([metrics], batch)
+    if e is None:
+        raise ValueError("advise needs the numerical split: split() with logp_rollout and logp_old")
+    e = replace(e, staleness_what="this batch")
+    rec = recommend(e, estimator, sync_policy)
+    return rec, format_advice(e, rec)
