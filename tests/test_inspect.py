@@ -10,6 +10,7 @@ import pytest
 
 from tether.cli import main
 from tether.config import load_config
+from tether.dump import dump_rows
 from tether.logger import read_jsonl
 from tether.loops import train
 
@@ -25,7 +26,7 @@ def dlc_run(warm_model_dir, tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("dlc")
     train(load_config("configs/dlc_fp8_lag4.yaml", [
         f"model.path={warm_model_dir}", f"run.dir={run_dir}", "train.steps=3", "train.lr=3e-3",
-        "sync.lag=1", "sync.policy=ess:0.95", *SHORT]))
+        "sync.lag=1", "sync.policy=ess:0.95", "log.dump_logprobs=true", *SHORT]))
     return run_dir
 
 
@@ -78,6 +79,29 @@ def test_dlc_run_logs_every_diagnostic(dlc_run):
     assert all(r["sync/ess/token"] == r["staleness/ess/token"] for r in rows)
     assert rows[0]["numerical/k3_kl/mean"] > 0  # fp8
     assert rows[1]["staleness/k3_kl/mean"] > 0  # one version behind
+
+
+def test_the_runs_logprob_dump_gives_its_logged_split(dlc_run, tmp_path, capsys):
+    # log.dump_logprobs: each step's mu, pi_old, pi_theta; their split is the logged one.
+    logged = {r["step"]: r for r in read_jsonl(dlc_run / "metrics.jsonl")[1:]}
+    rows, cfg = dump_rows(dlc_run / "logprobs.jsonl")
+    assert [r["step"] for r in rows] == sorted(logged) == [1, 2, 3]
+    assert cfg["train"]["estimator"] == "dlc" and cfg["rollout"]["prompts_per_step"] == 16
+    for row in rows:
+        split_keys = [k for k in row if k.split("/")[0] in ("numerical", "staleness", "total")
+                      and k != "staleness/versions/batch"]
+        assert len(split_keys) > 30
+        for k in split_keys:
+            assert row[k] == pytest.approx(logged[row["step"]][k], rel=1e-6, abs=1e-9), k
+        assert row["staleness/versions/batch"] == logged[row["step"]]["staleness/versions/batch"]
+    # tether inspect reads the dump as it reads the run: same windows, same advice.
+    assert main(["inspect", str(dlc_run / "logprobs.jsonl"), "--no-plots"]) == 0
+    from_dump = capsys.readouterr().out
+    assert main(["inspect", str(dlc_run), "--no-plots"]) == 0
+    from_run = capsys.readouterr().out
+    table = lambda text: text[text.index("mismatch by cause"):text.index("ESS of pi_theta")]
+    assert table(from_dump) == table(from_run)
+    assert from_dump[from_dump.index("advice: "):] == from_run[from_run.index("advice: "):]
 
 
 def test_moe_run_logs_routing_disagreement(moe_run):

@@ -20,8 +20,7 @@ ROOT = Path(__file__).resolve().parents[1]
 DOCS = [ROOT / "README.md", ROOT / "RESULTS.md", *sorted((ROOT / "docs").glob("*.md"))]
 DEMO_MARK = "<!-- the demo's output; tests/test_readme.py checks its format -->"
 # Imported only by the features their own install command adds (README).
-OPTIONAL = {"vllm": "make install-vllm", "trl": "make install-trl",
-            "datasets": "make install-trl"}  # benchmarks/vs_trl.py's TRL side
+OPTIONAL = {"vllm": "make install-vllm", "verl": "make install-verl"}
 
 
 def shape(line: str) -> str:

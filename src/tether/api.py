@@ -73,6 +73,15 @@ def loss(estimator: str, *, logp: torch.Tensor, logp_old: torch.Tensor,
     return build_estimator(estimator, **extra)(batch)
 
 
+def needs(estimator: str, **params: Any) -> set[str]:
+    """What a preset or composition reads besides pi_theta and the advantages: any of
+    "logp_rollout" (mu), "logp_old", "logp_prox" and "topk" (centering: the generator's
+    top-K ids with their log mu). A framework without mu cannot run one that needs it."""
+    e = build_estimator(estimator, **params)
+    reads = set(e.objective.inputs + e.correction.inputs) & {"logp_rollout", "logp_old", "logp_prox"}
+    return reads | ({"topk"} if e.centering else set())
+
+
 def resync(logp: torch.Tensor, logp_old: torch.Tensor, mask: torch.Tensor,
            tau: float = 0.5) -> tuple[float, bool]:
     """DLC's re-sync test (`sync.policy=ess:TAU`): the token ESS of pi_theta/pi_old on the

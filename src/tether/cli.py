@@ -131,6 +131,9 @@ with each cause's verdict over the run (float rounding, negligible or material:
 docs/probe.md) and the advice `tether probe` would give: "nothing to correct" unless a cause
 is material.
 Writes RUN_DIR/plots/decomposition.png, ess_sync.png and learning.png (or into --out).
+RUN_DIR may also be a log-prob dump from another trainer (JSONL: per token mu, pi_old,
+pi_theta; the TRL plug-in and log.dump_logprobs=true write one; docs/integrations.md):
+the same summary, from the split of each step's batch, plots in DUMP-plots/.
 Metric names and formulas: docs/metrics.md."""
 
 
@@ -283,7 +286,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser(
         "inspect", help="Summarise a run's mismatch decomposition over time; write PNG plots.",
         description=INSPECT_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("run_dir", metavar="RUN_DIR", help="A run directory (holds metrics.jsonl).")
+    p.add_argument("run_dir", metavar="RUN_DIR",
+                   help="A run directory (holds metrics.jsonl), or a log-prob dump (.jsonl).")
     p.add_argument("--out", metavar="DIR", help="Where to write the plots (default RUN_DIR/plots).")
     p.add_argument("--no-plots", action="store_true", help="Print the summary only.")
     p.add_argument("--tau", type=float, metavar="TAU",

@@ -1,6 +1,7 @@
 """`tether inspect RUN_DIR`: a run's mismatch decomposition over time, as text and PNG plots.
 
-Reads RUN_DIR/metrics.jsonl (the source of truth) and RUN_DIR/config.yaml. The summary
+Reads RUN_DIR/metrics.jsonl (the source of truth) and RUN_DIR/config.yaml, or a log-prob
+dump from any trainer (tether.dump: the TRL plug-in writes one). The summary
 says, window by window, which cause dominates the disagreement (k3 KL of the numerical
 part pi_old vs mu against the staleness part pi_theta vs pi_old), when the staleness
 ESS fell below the re-sync threshold, when the generator received weights and how stale
@@ -16,6 +17,7 @@ from typing import Any
 import yaml
 
 from tether.advice import ROUNDING_K3, advise_run
+from tether.dump import dump_rows, is_dump
 from tether.errors import InputError
 from tether.logger import read_jsonl
 
@@ -44,10 +46,15 @@ def training_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def load_run(run_dir: str | Path) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """A run's metric rows and config; a log-prob dump (tether.dump) gives the rows its
+    split computes, step by step."""
     run_dir = Path(run_dir)
+    if is_dump(run_dir):
+        return dump_rows(run_dir)
     path = run_dir / "metrics.jsonl"
     if not path.is_file():
-        raise InputError(f"{run_dir} is not a tether run directory (no metrics.jsonl)")
+        raise InputError(f"{run_dir} is neither a tether run directory (no metrics.jsonl) nor a "
+                         "log-prob dump (docs/integrations.md)")
     cfg_path = run_dir / "config.yaml"
     cfg = yaml.safe_load(cfg_path.read_text()) if cfg_path.is_file() else {}
     return read_jsonl(path), cfg or {}
@@ -90,8 +97,9 @@ def summarize(rows: list[dict[str, Any]], cfg: dict[str, Any], tau: float | None
     tau, resyncs = threshold(cfg, tau)
     gen = cfg.get("rollout", {})
     sync = cfg.get("sync", {})
+    source = f"{cfg['source']} dump   " if "source" in cfg else ""
     out = [(
-        f"steps {train_rows[0]['step']}-{train_rows[-1]['step']}   estimator "
+        f"steps {train_rows[0]['step']}-{train_rows[-1]['step']}   {source}estimator "
         f"{cfg.get('train', {}).get('estimator', '?')}   generator {gen.get('precision', '?')}"
         f" vs trainer {cfg.get('train', {}).get('precision', 'fp32')}   "
         f"sync {sync.get('policy', '?')}, lag {sync.get('lag', 0)}, on_trip {sync.get('on_trip', '-')}"
@@ -109,8 +117,9 @@ def summarize(rows: list[dict[str, Any]], cfg: dict[str, Any], tau: float | None
         out.append(line)
     _, rew = series(train_rows, "reward/mean")
     k = max(1, len(rew) // 5)
-    out.append(f"generator-side batch reward (reward/mean, at the generator's weights): first {k} "
-               f"steps {_fmt(_mean(rew[:k]))} -> last {k} {_fmt(_mean(rew[-k:]))}")
+    if rew:  # a dump has no rewards
+        out.append(f"generator-side batch reward (reward/mean, at the generator's weights): "
+                   f"first {k} steps {_fmt(_mean(rew[:k]))} -> last {k} {_fmt(_mean(rew[-k:]))}")
 
     # Decomposition by window: which cause dominates the k3 KL.
     out += ["", "mismatch by cause, k3 KL per token (window means); dominant = larger of the two causes",
@@ -142,15 +151,18 @@ def summarize(rows: list[dict[str, Any]], cfg: dict[str, Any], tau: float | None
         lo = min(range(len(ess)), key=ess.__getitem__)
         out.append(f"  min {ess[lo]:.3f} at step {steps[lo]}; first below tau: "
                    f"{('step ' + str(below[0])) if below else 'never'}; below at steps: {_steps_list(below)}")
-    synced = [r["step"] for r in train_rows if _num(r.get("sync/synced"))]
-    tripped = [r["step"] for r in train_rows if _num(r.get("sync/tripped"))]
-    forced = [r["step"] for r in train_rows if _num(r.get("sync/forced"))]
-    regen = [r["step"] for r in train_rows if _num(r.get("sync/regenerated"))]
-    out.append(f"syncs: {len(synced)} deliveries (at steps {_steps_list(synced)})")
-    out.append(f"  re-syncs to current weights on ESS < tau: {_steps_list(tripped)}"
-               + (f" (batch regenerated at {_steps_list(regen)})" if regen else ""))
-    if forced:
-        out.append(f"  forced by the max interval: {_steps_list(forced)}")
+    if "source" in cfg:  # a dump: the other trainer's syncs are not in it
+        out.append("syncs: not recorded in a dump (its staleness in versions is, per step)")
+    else:
+        synced = [r["step"] for r in train_rows if _num(r.get("sync/synced"))]
+        tripped = [r["step"] for r in train_rows if _num(r.get("sync/tripped"))]
+        forced = [r["step"] for r in train_rows if _num(r.get("sync/forced"))]
+        regen = [r["step"] for r in train_rows if _num(r.get("sync/regenerated"))]
+        out.append(f"syncs: {len(synced)} deliveries (at steps {_steps_list(synced)})")
+        out.append(f"  re-syncs to current weights on ESS < tau: {_steps_list(tripped)}"
+                   + (f" (batch regenerated at {_steps_list(regen)})" if regen else ""))
+        if forced:
+            out.append(f"  forced by the max interval: {_steps_list(forced)}")
     snaps = series(train_rows, "snapshots/count")[1]
     snap_bytes = series(train_rows, "snapshots/bytes")[1]
     if snaps:
@@ -326,8 +338,11 @@ def run_advice(run_dir: str | Path) -> str | None:
 
 def inspect_run(run_dir: str | Path, out_dir: str | Path | None = None, plots: bool = True,
                 tau: float | None = None, windows: int = 5) -> tuple[str, list[Path]]:
-    """The summary text and the written plot paths (RUN_DIR/plots unless `out_dir`)."""
+    """The summary text and the written plot paths (RUN_DIR/plots, or DUMP-plots beside a
+    dump file, unless `out_dir`)."""
     rows, cfg = load_run(run_dir)
     text = summarize(rows, cfg, tau, windows)
-    paths = plot(rows, cfg, Path(out_dir or Path(run_dir) / "plots"), tau) if plots else []
+    run_dir = Path(run_dir)
+    default = run_dir / "plots" if run_dir.is_dir() else run_dir.with_name(f"{run_dir.stem}-plots")
+    paths = plot(rows, cfg, Path(out_dir or default), tau) if plots else []
     return text, paths

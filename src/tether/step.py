@@ -29,6 +29,7 @@ from tether.diagnostics import (
     mismatch_metrics,
     routing_disagreement,
 )
+from tether.dump import DumpWriter, dump_batch
 from tether.models.routing import is_moe
 from tether.monitor import current_model_monitor
 from tether.rollout.types import Rollout, SamplingParams
@@ -158,8 +159,10 @@ class Diagnostics:
 
     def __init__(self, cfg: DiagnosticsConfig, model: nn.Module, sampling: SamplingParams,
                  probe: list[list[int]], eos_id: int, pad_id: int, micro_batch: int,
-                 routing_replay: str = "none", precision: str = "fp32"):
+                 routing_replay: str = "none", precision: str = "fp32",
+                 dump: DumpWriter | None = None):
         self.cfg, self.model, self.sampling, self.probe = cfg, model, sampling, probe
+        self.dump = dump  # log.dump_logprobs: each batch's log-probs, as the split saw them
         self.eos_id, self.pad_id, self.micro_batch = eos_id, pad_id, micro_batch
         self._off: set[str] = set()  # settings already reported as off (engine without weights)
         self.r3 = routing_replay == "r3"
@@ -171,6 +174,8 @@ class Diagnostics:
                  generator_version: int) -> dict[str, float]:
         d = self.cfg
         out = mismatch_metrics(decompose(batch.logp_rollout, logp_old, logp, batch.response_mask))
+        if self.dump is not None:
+            dump_batch(self.dump, step + 1, batch, logp_old, logp)
         version = int(batch.versions[0])
         monitor_due = bool(d.monitor_every) and (step + 1) % d.monitor_every == 0
         if self.r3 and batch.routed_experts is not None and (d.routing or monitor_due):

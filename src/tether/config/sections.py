@@ -335,6 +335,11 @@ class LogConfig(Node):
     wandb_mode: Literal["offline", "online"] = Field(
         "offline", description="offline: no network, `wandb sync RUN_DIR/wandb/offline-run-*` later.",
     )
+    dump_logprobs: bool = Field(
+        False, description="Also write every trained token's mu, pi_old and pi_theta to "
+        "RUN_DIR/logprobs.jsonl (tether.dump's format; `tether inspect` reads it). About 150 "
+        "bytes per token.",
+    )
 
 
 class RewardConfig(Node):

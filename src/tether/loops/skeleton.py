@@ -25,6 +25,7 @@ from tqdm import tqdm
 
 from tether.checkpoint import RunState, checkpoint_due, latest_checkpoint, save_checkpoint
 from tether.distributed import start_ranks
+from tether.dump import DumpWriter
 from tether.errors import RankFailed
 from tether.guards import STOP
 from tether.logger import read_jsonl
@@ -49,7 +50,7 @@ class Session:
         tok, t = run.tokenizer, run.cfg.train
         self.diagnose = Diagnostics(run.cfg.diagnostics, run.model, run.sampling, run.probe,
                                     tok.eos_token_id, tok.pad_token_id, t.micro_batch,
-                                    t.routing_replay, t.precision)
+                                    t.routing_replay, t.precision, self._dump())
         self.before: dict[str, Any] = {}
         self.last: dict[str, Any] = {}
         self.rewards: list[float] = []
@@ -105,6 +106,20 @@ class Session:
         """The held-out evaluation after the last step (the last row's), and the result."""
         after = self.run.evaluate() if self.start == self.run.cfg.train.steps else self.last
         return self.run.finish(self.before, after, self.rewards)
+
+    def _dump(self) -> DumpWriter | None:
+        """log.dump_logprobs: RUN_DIR/logprobs.jsonl, closed with the session."""
+        cfg = self.run.cfg
+        if not cfg.log.dump_logprobs:
+            return None
+        r = cfg.rollout
+        dump = DumpWriter(self.run.run_dir / "logprobs.jsonl", keep_until=self.start,
+                          source="tether", estimator=cfg.train.estimator,
+                          batch=r.prompts_per_step * r.group_size // cfg.train.minibatches,
+                          generator=r.precision, trainer=cfg.train.precision,
+                          sync_policy=cfg.sync.policy)
+        self._close.append(dump.close)
+        return dump
 
     def _rank_failed(self, error: RankFailed) -> RankFailed:
         """Checkpoint the state after the last whole step when the failure left it intact;

@@ -49,7 +49,11 @@ def decode(
     columns are prompts, which rows may share (`decode_shared_prompts`).
     """
     position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
-    if 0 < prompt_len < input_ids.shape[1] and routed_experts is None and not record:
+    # Gradient checkpointing in training drops the KV cache that shared prompts are read
+    # from (transformers' checkpointed layers; TRL turns it on): then the plain forward.
+    checkpointed = model.training and getattr(model, "is_gradient_checkpointing", False)
+    if 0 < prompt_len < input_ids.shape[1] and routed_experts is None and not record \
+            and not checkpointed:
         hidden = decode_shared_prompts(model, input_ids, attention_mask, position_ids, prompt_len)
         if hidden is not None:
             return hidden, None
