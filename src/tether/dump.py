@@ -28,6 +28,7 @@ from collections import defaultdict
 from pathlib import Path
 from typing import IO, Any
 
+from tether.api import split
 from tether.errors import InputError
 from tether.lazy import torch
 
@@ -63,18 +64,22 @@ class DumpWriter:
         if fresh:
             self._f.write(json.dumps({"tether_dump": FORMAT, **header}) + "\n")
 
-    def write_batch(self, step: int, versions: list[int], prompt_ids: list[list[int]],
-                    response_ids: list[list[int]], mask: torch.Tensor,
+    def write_batch(self, step: int, versions: list[int], prompt_ids: torch.Tensor,
+                    prompt_mask: torch.Tensor, response_ids: torch.Tensor,
+                    response_mask: torch.Tensor, mask: torch.Tensor,
                     **logprobs: torch.Tensor | None) -> None:
-        """One optimizer step's responses: `mask` and `logprobs` (named as in LOGPROBS, or
-        None) are (B, T), right-padded; row b's first len(response_ids[b]) positions are kept."""
+        """One optimizer step's responses, as trainers hold them: prompts left-padded
+        (B, P) with their attention mask, responses right-padded (B, T) with theirs; `mask`
+        (B, T) marks the tokens that enter the loss, `logprobs` (named as in LOGPROBS, or
+        None) are (B, T)."""
         lists = {k: None if v is None else v.detach().double().cpu().tolist()
                  for k, v in logprobs.items()}
         m = mask.detach().cpu().tolist()
-        for b, ids in enumerate(response_ids):
-            n = len(ids)
-            row = {"step": step, "version": versions[b], "prompt_ids": prompt_ids[b],
-                   "response_ids": ids, "mask": [int(x) for x in m[b][:n]]}
+        lengths = response_mask.long().sum(dim=1).tolist()
+        rows = zip(prompt_ids.cpu(), prompt_mask.cpu(), response_ids.cpu(), lengths, strict=True)
+        for b, (p_ids, p_mask, r_ids, n) in enumerate(rows):
+            row = {"step": step, "version": versions[b], "prompt_ids": p_ids[p_mask.bool()].tolist(),
+                   "response_ids": r_ids[:n].tolist(), "mask": [int(x) for x in m[b][:n]]}
             row |= {k: None if v is None else v[b][:n] for k, v in lists.items()}
             self._f.write(json.dumps(row) + "\n")
         self._f.flush()
@@ -88,12 +93,10 @@ def dump_batch(writer: DumpWriter, step: int, batch: Any, logp_old: torch.Tensor
     """A tether batch (tether.trainer.RolloutTensors) with the pi_old and pi_theta its
     step's split used (`log.dump_logprobs`)."""
     P = batch.prompt_len
-    prompts = [ids[m.bool()].tolist() for ids, m in
-               zip(batch.input_ids[:, :P].cpu(), batch.attention_mask[:, :P].cpu())]
-    lengths = batch.response_mask.long().sum(dim=1).tolist()
-    responses = [ids[:n].tolist() for ids, n in zip(batch.response_ids.cpu(), lengths)]
-    writer.write_batch(step, batch.versions.tolist(), prompts, responses, batch.response_mask,
-                       logp_rollout=batch.logp_rollout, logp_old=logp_old, logp=logp)
+    writer.write_batch(step, batch.versions.tolist(), batch.input_ids[:, :P],
+                       batch.attention_mask[:, :P], batch.response_ids, batch.response_mask,
+                       batch.response_mask, logp_rollout=batch.logp_rollout, logp_old=logp_old,
+                       logp=logp)
 
 
 def read_dump(path: str | Path) -> tuple[dict[str, Any], dict[int, dict[str, Any]]]:
@@ -135,8 +138,6 @@ def dump_rows(path: str | Path) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """A dump as a run's metric rows and config, for `tether inspect`: per step the split
     that tether.api.split computes (the same function the TRL plug-in logs with), the
     staleness in versions, and a config with the header's estimator and batch."""
-    from tether.api import split
-
     header, steps = read_dump(path)
     rows = []
     for step, t in steps.items():

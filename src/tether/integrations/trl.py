@@ -75,14 +75,20 @@ class TetherGRPOTrainer(GRPOTrainer):
         self._engine: HFGenerator | None = None
         self._topk: list[tuple[list[list[int]], list[list[float]]]] | None = None
         self._logp: torch.Tensor | None = None
+        # What the estimator reads (api.needs), once: "topk" makes the engine record top-K.
+        self._reads = set() if estimator is None else api.needs(estimator, **self.tether_params)
         self._check(estimator)
         self._dump = None if dump is None else DumpWriter(
-            dump, source="trl", estimator=estimator or f"trl:{self.loss_type}",
-            batch=self.args.per_device_train_batch_size * self.args.gradient_accumulation_steps
-            * self.accelerator.num_processes,
+            dump, source="trl", estimator=estimator or f"trl:{self.loss_type}", batch=self._batch,
             generator=generator or ("vllm" if self.use_vllm else "trl"), trainer=self._precision())
 
     # --- what the configuration can give ---------------------------------------------------
+
+    @property
+    def _batch(self) -> int:
+        """N, the responses in one optimizer step (the advice's 1/N bar)."""
+        return (self.args.per_device_train_batch_size * self.args.gradient_accumulation_steps
+                * self.accelerator.num_processes)
 
     def _precision(self) -> str:
         """The trainer's numerics: TRL's mixed precision (bf16 by default, also on CPU)."""
@@ -101,9 +107,7 @@ class TetherGRPOTrainer(GRPOTrainer):
                 f"gradient_accumulation_steps = {self.args.gradient_accumulation_steps}), so "
                 "pi_theta never drifts from pi_old and the re-sync cannot trip; raise "
                 "steps_per_generation or num_iterations, or leave resync_tau unset")
-        if estimator is None:
-            return
-        reads = api.needs(estimator, **self.tether_params)
+        reads = self._reads
         if "logp_prox" in reads:
             raise ValueError(f"estimator {estimator!r} needs pi_prox (the trainer at the step's "
                              "start), which TRL does not keep")
@@ -136,7 +140,7 @@ class TetherGRPOTrainer(GRPOTrainer):
             # trainer's model: the copy would run the trainer's. The class's forward is the copy's.
             self._engine.model.__dict__.pop("forward", None)
         self._engine.load_weights(model.state_dict(), version=self.state.global_step)
-        centering = "topk" in api.needs(self.tether_estimator or "grpo", **self.tether_params)
+        centering = "topk" in self._reads
         args = self.args
         sampling = SamplingParams(n=G, temperature=args.temperature, top_k=args.top_k or 0,
                                   top_p=args.top_p, max_new_tokens=args.max_completion_length,
@@ -163,10 +167,11 @@ class TetherGRPOTrainer(GRPOTrainer):
                 ids[b, :n] = torch.tensor(row_ids[:n])
                 logp[b, :n] = torch.tensor(row_logp[:n], dtype=torch.float32)
             device = out["completion_ids"].device
-            out["tether_topk_ids"], out["tether_topk_logp_rollout"] = ids.to(device), logp.to(device)
+            ids, logp = ids.to(device), logp.to(device)
+            out["tether_topk_ids"], out["tether_topk_logp_rollout"] = ids, logp
             if out.get("old_per_token_logps") is not None:
                 with torch.no_grad():
-                    _, out["tether_topk_logp_old"] = self._score(self.model, out, ids.to(device))
+                    _, out["tether_topk_logp_old"] = self._score(self.model, out, ids)
             self._topk = None
         return out
 
@@ -203,28 +208,31 @@ class TetherGRPOTrainer(GRPOTrainer):
         mask = inputs["completion_mask"]
         if "tool_mask" in inputs:
             mask = mask * inputs["tool_mask"]
-        old = inputs.get("old_per_token_logps")
-        mu = inputs.get("sampling_per_token_logps")
         if self.tether_estimator is None:
             loss = super()._compute_loss(model, inputs)
-            logp = self._logp
+            logp, topk_logp = self._logp, None
         else:
             logp, topk_logp = self._score(model, inputs, inputs.get("tether_topk_ids"))
+        # pi_old where TRL skipped it is pi_theta detached, as in TRL's own loss; a token vLLM
+        # gave no log-prob for (NaN) gets no numerical correction.
+        old = inputs.get("old_per_token_logps")
+        old = logp.detach() if old is None else old
+        mu = inputs.get("sampling_per_token_logps")
+        mu = None if mu is None else torch.where(torch.isnan(mu), old, mu)
+        if self.tether_estimator is not None:
             topk = {} if topk_logp is None else {
                 "topk_ids": inputs["tether_topk_ids"],
                 "topk_logp_rollout": inputs["tether_topk_logp_rollout"], "topk_logp": topk_logp,
                 "topk_logp_old": inputs.get("tether_topk_logp_old", topk_logp.detach())}
-            old_ = logp.detach() if old is None else old
-            # A token vLLM gave no log-prob for (NaN) gets no numerical correction.
-            mu_ = old_ if mu is None else torch.where(torch.isnan(mu), old_, mu)
-            out = api.loss(self.tether_estimator, logp=logp, logp_old=old_, logp_rollout=mu_,
+            out = api.loss(self.tether_estimator, logp=logp, logp_old=old,
+                           logp_rollout=old if mu is None else mu,
                            advantages=inputs["advantages"], mask=mask, **topk, **self.tether_params)
             # TRL sums the micro-batches of one optimizer step; tether's loss is their mean.
             loss = out.loss / (self.current_gradient_accumulation_steps if mode == "train" else 1)
             for k, v in out.metrics.items():
                 if k.startswith(("loss/", "applied/", "centering/")):
                     self._metrics[mode][k].append(v)
-        self._after_loss(mode, mask, mu, logp.detach() if old is None else old, logp.detach(), inputs)
+        self._after_loss(mode, mask, mu, old, logp.detach(), inputs)
         return loss
 
     def _after_loss(self, mode: str, mask: torch.Tensor, mu: torch.Tensor | None,
@@ -232,8 +240,6 @@ class TetherGRPOTrainer(GRPOTrainer):
         """The split into TRL's logs, the ESS re-sync decision, the dump; the time they take
         is logged as time/tether (s per micro-step: the plug-in's overhead, without a loss)."""
         start = time.perf_counter()
-        if mu is not None:
-            mu = torch.where(torch.isnan(mu), old, mu)
         for k, v in api.split(mask, logp_rollout=mu, logp_old=old, logp=logp).items():
             self._metrics[mode][k].append(v)
         lag = self.state.global_step - inputs["tether_version"].double().mean()
@@ -245,13 +251,10 @@ class TetherGRPOTrainer(GRPOTrainer):
             if trip:  # TRL generates again when its buffer is empty
                 self._buffered_inputs = None
         if self._dump is not None and mode == "train":
-            prompts = [ids[m.bool()].tolist() for ids, m in
-                       zip(inputs["prompt_ids"].cpu(), inputs["prompt_mask"].cpu())]
-            n = inputs["completion_mask"].long().sum(dim=1).tolist()
-            responses = [ids[:k].tolist() for ids, k in zip(inputs["completion_ids"].cpu(), n)]
             self._dump.write_batch(self.state.global_step + 1, inputs["tether_version"].tolist(),
-                                   prompts, responses, mask, logp_rollout=mu, logp_old=old,
-                                   logp=logp)
+                                   inputs["prompt_ids"], inputs["prompt_mask"],
+                                   inputs["completion_ids"], inputs["completion_mask"], mask,
+                                   logp_rollout=mu, logp_old=old, logp=logp)
         self._metrics[mode]["time/tether"].append(time.perf_counter() - start)
 
     # --- the verdict -----------------------------------------------------------------------------
@@ -260,9 +263,7 @@ class TetherGRPOTrainer(GRPOTrainer):
         """The split over the logged steps, each cause's verdict and what to correct, as
         `tether inspect` ends (docs/probe.md); needs mu (the numerical split)."""
         rows = [h for h in self.state.log_history if "numerical/k3_kl/mean" in h]
-        batch = (self.args.per_device_train_batch_size * self.args.gradient_accumulation_steps
-                 * self.accelerator.num_processes)
-        e = evidence_from_rows(rows, batch)
+        e = evidence_from_rows(rows, self._batch)
         if e is None:
             return ("no numerical split was logged: TRL kept no sampling log-probs (pass "
                     "generator=... or use vLLM); staleness alone is in the logs")
