@@ -11,7 +11,6 @@ import os
 import subprocess
 import sys
 import threading
-import time
 
 import pytest
 
@@ -120,15 +119,15 @@ def test_config_refuses_ray_where_it_cannot_mean_anything():
 
 
 def test_an_unreachable_address_fails_within_seconds_naming_the_key(warm_model_dir, tmp_path):
-    """Ray itself would retry forever ("Failed to connect to GCS ..."). A new process: the
-    module's own Ray must not be there to be reused."""
-    t0 = time.monotonic()
+    """Ray itself would retry forever ("Failed to connect to GCS ..."): the subprocess timeout
+    is the bound. It is not tighter because importing torch, transformers and Ray alone took
+    12-30 s on 2 busy cores; the refusal itself comes after no wait (no start_timeout). A new
+    process: the module's own Ray must not be there to be reused."""
     run = subprocess.run([sys.executable, "-m", "tether.cli", "train", f"model.path={warm_model_dir}",
-                          f"run.dir={tmp_path / 'run'}", *ASYNC, "train.steps=2",
+                          f"run.dir={tmp_path / 'run'}", *ASYNC, "train.steps=2", "run.start_timeout=600",
                           "loop.ray_address=127.0.0.1:1"], check=False, capture_output=True, text=True,
-                         timeout=60, env={**os.environ, "OMP_NUM_THREADS": "1"})
+                         timeout=120, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert run.returncode == 5, run.stderr[-2000:]
-    assert time.monotonic() - t0 <= 30
     assert run.stderr.startswith("tether train: environment: loop.ray_address=127.0.0.1:1: "
                                  "cannot reach 127.0.0.1:1"), run.stderr[-2000:]
     assert "Traceback" not in run.stderr and not (tmp_path / "run").exists()
