@@ -204,11 +204,17 @@ def batch_of(cfg: dict[str, Any]) -> int:
     return max(1, r.get("prompts_per_step", 1) * r.get("group_size", 1) // t.get("minibatches", 1))
 
 
-def advise_run(rows: list[dict[str, Any]], cfg: dict[str, Any], why: bool = True) -> str | None:
-    """The split and the advice for a run's rows and its config (as a dict); None if unlogged."""
-    e = evidence_from_rows(rows, batch_of(cfg))
+def advise_rows(rows: list[dict[str, Any]], batch: int, estimator: str, sync_policy: str,
+                why: bool = True) -> str | None:
+    """The split and the advice for logged metric rows (N = `batch`) of a run with that
+    estimator and sync policy; None if no mismatch was logged."""
+    e = evidence_from_rows(rows, batch)
     if e is None:
         return None
-    rec = recommend(e, cfg.get("train", {}).get("estimator", "grpo"),
-                    str(cfg.get("sync", {}).get("policy", "every:1")))
-    return format_advice(e, rec, why)
+    return format_advice(e, recommend(e, estimator, sync_policy), why)
+
+
+def advise_run(rows: list[dict[str, Any]], cfg: dict[str, Any], why: bool = True) -> str | None:
+    """The split and the advice for a run's rows and its config (as a dict); None if unlogged."""
+    return advise_rows(rows, batch_of(cfg), cfg.get("train", {}).get("estimator", "grpo"),
+                       str(cfg.get("sync", {}).get("policy", "every:1")), why)

@@ -33,7 +33,7 @@ import torch
 from trl import GRPOTrainer
 
 from tether import api
-from tether.advice import evidence_from_rows, format_advice, recommend
+from tether.advice import advise_rows
 from tether.dump import DumpWriter
 from tether.rollout.hf import HFGenerator
 from tether.rollout.types import SamplingParams
@@ -263,10 +263,7 @@ class TetherGRPOTrainer(GRPOTrainer):
         """The split over the logged steps, each cause's verdict and what to correct, as
         `tether inspect` ends (docs/probe.md); needs mu (the numerical split)."""
         rows = [h for h in self.state.log_history if "numerical/k3_kl/mean" in h]
-        e = evidence_from_rows(rows, self._batch)
-        if e is None:
-            return ("no numerical split was logged: TRL kept no sampling log-probs (pass "
-                    "generator=... or use vLLM); staleness alone is in the logs")
-        rec = recommend(e, self.tether_estimator or "grpo",
-                        f"ess:{self.resync_tau}" if self.resync_tau else "every:1")
-        return format_advice(e, rec)
+        text = advise_rows(rows, self._batch, self.tether_estimator or "grpo",
+                           f"ess:{self.resync_tau}" if self.resync_tau else "every:1")
+        return text or ("no numerical split was logged: TRL kept no sampling log-probs (pass "
+                        "generator=... or use vLLM); staleness alone is in the logs")
