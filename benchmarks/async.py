@@ -6,6 +6,8 @@
     python benchmarks/async.py --publish-cost        # what publishing one version costs
     python benchmarks/async.py --pi-old-cost         # what the trainer's pi_old forward costs
     python benchmarks/async.py --dlc                 # E-DLC's race: fixed vs ESS window
+    python benchmarks/async.py --engines hf --workers 1,2 --keep-runs runs/async-bench
+                                                     # then: simulate_async.py --from-run ...
 
 Every run trains the same model on the same Countdown prompts, with the same batch
 (prompts x group), response length, learning rate and number of steps, so the same
@@ -79,20 +81,24 @@ def parse_args() -> argparse.Namespace:
                    "0 against async with the fixed window and the ESS window under each "
                    "loop.after_trip rule; samples/s, trained per generated, staleness")
     p.add_argument("--json", help="also write the table as JSON here")
+    p.add_argument("--keep-runs", help="keep each run's directory under this one (for "
+                   "benchmarks/simulate_async.py --from-run)")
     return p.parse_args()
 
 
-def run_one(common: list[str], extra: list[str]) -> dict[str, float]:
+def run_one(common: list[str], extra: list[str], keep: Path | None = None) -> dict[str, float]:
+    """One run; `keep`: its run directory (else a temporary one)."""
     from tether.config import load_config
     from tether.logger import read_jsonl
     from tether.loops import train
 
     with tempfile.TemporaryDirectory() as d:
-        cfg = load_config("configs/countdown.yaml", [*common, f"run.dir={d}/run", *extra])
+        run_dir = keep or Path(d) / "run"
+        cfg = load_config("configs/countdown.yaml", [*common, f"run.dir={run_dir}", *extra])
         t0 = time.perf_counter()
         train(cfg)
         wall = time.perf_counter() - t0
-        rows = read_jsonl(Path(d) / "run" / "metrics.jsonl")[1:]
+        rows = read_jsonl(run_dir / "metrics.jsonl")[1:]
     last, batch = rows[-1], cfg.rollout.prompts_per_step * cfg.rollout.group_size
     if cfg.loop.mode == "async":
         sps = last["async/samples_per_s"]
@@ -175,7 +181,8 @@ def main() -> None:
                             ("eta=2 pi_old@trainer", [*eta2, "loop.score_old=trainer"]),
                             *[(f"{b} x{w} eta=2", [*eta2, f"loop.backend={b}", f"loop.workers={w}"])
                               for b, w in grid if (b, w) != ("local", 1)]]:
-            res = run_one(common, [f"rollout.engine={engine}", *extra])
+            keep = args.keep_runs and Path(args.keep_runs) / f"{engine}-{name.replace(' ', '_')}"
+            res = run_one(common, [f"rollout.engine={engine}", *extra], keep or None)
             runs.append({"engine": engine, "run": name, **res})
             print(f"{engine:5s} {name:20s} {res['samples_per_s']:7.1f} samples/s  "
                   f"acc(sampled) {res['accuracy_sampled']:.3f}  wall {res['wall_s']:.0f}s",

@@ -63,3 +63,13 @@ def test_every_field_is_documented():
     lines = describe_fields()
     assert any(line.startswith("train.lr = 0.0001") for line in lines)
     assert all(line.split("\n")[1].strip() for line in lines), "a field without description"
+
+
+def test_config_fields_lists_every_section():
+    from tether.config import format_fields
+    from tether.config.schema import Config
+
+    out = format_fields()
+    for section in Config.model_fields:
+        assert f"[{section}]" in out, section
+    assert "weights.snapshot_compress = 'none'" in out

@@ -142,3 +142,60 @@ def test_an_actor_ray_cannot_place_fails_naming_what_it_asks(local_ray, warm_mod
         train(cfg)
     assert not (tmp_path / "run").exists()
     assert ray.available_resources().get("CPU") == 2.0  # the pending actors were killed
+
+
+def test_delta_publishing_reaches_actors_and_their_replacements_bit_for_bit(
+        local_ray, warm_model_dir, tmp_path):
+    """weights.publish=delta through the object store: an actor that held version 0 applies
+    the deltas after it; a replacement actor fetches the whole version and the chain; a new
+    whole version replaces the chain once the deltas outweigh it. Each ends holding the
+    newest version's bytes exactly."""
+    import torch
+
+    from tether.models import load_model
+    from tether.rollout.ray_backend import RayBackend
+    from tether.rollout.worker import WorkItem
+    from tether.weights.publisher import pack
+
+    cfg = _cfg(warm_model_dir, tmp_path, "weights.publish=delta", "loop.workers=1",
+               "weights.bucket_mb=1")
+    model, _ = load_model(warm_model_dir)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    backend = RayBackend(cfg, str(warm_model_dir), "delta")
+
+    def held(actor) -> torch.Tensor:
+        return ray.get(actor.__ray_call__.remote(lambda a: a.held.held.buffer.clone()))
+
+    def step_and_publish(version: int) -> torch.Tensor:
+        x = torch.randint(0, 20, (4, 12))
+        model(input_ids=x, labels=x).loss.backward()
+        opt.step()
+        opt.zero_grad()
+        backend.publish(version, model.state_dict())
+        return pack(version, model.state_dict()).buffer
+
+    def make(slot: int, version: int) -> None:
+        backend.submit(WorkItem(slot, (slot,), (0,), version, slot))
+        while not backend.receive(timeout=5.0):
+            pass
+
+    try:
+        backend.publish(0, model.state_dict())
+        make(0, 0)
+        assert len(backend.weights) == 1  # the whole version 0
+        whole, backend.whole_bytes = backend.whole_bytes, 1 << 40  # keep the chain, whatever its size
+        newest = [step_and_publish(v) for v in (1, 2, 3)][-1]
+        assert [v for v, _ in backend.weights] == [0, 1, 2, 3]
+        assert backend.published_bytes < whole / 1.2  # a delta
+        make(1, 3)
+        assert torch.equal(held(backend.actors[0]), newest)  # applied 1, 2, 3 to its 0
+        backend._restart(0, RuntimeError("replaced by the test"))
+        make(2, 3)
+        assert torch.equal(held(backend.actors[0]), newest)  # whole 0, then 1, 2, 3
+        backend.whole_bytes = backend.chain_bytes + 1  # the next delta would outweigh it
+        newest = step_and_publish(4)
+        assert [v for v, _ in backend.weights] == [4]
+        make(3, 4)
+        assert torch.equal(held(backend.actors[0]), newest)
+    finally:
+        backend.stop()

@@ -49,6 +49,7 @@ RUN = [
     f"train.steps={STEPS}", "train.lr=1e-3", "train.minibatches=2",
     "rollout.prompts_per_step=4", "rollout.group_size=4", "rollout.max_new_tokens=10",
     "rollout.precision=fp8", "sync.lag=1",
+    "weights.snapshot_compress=xor",  # the kept versions go through the checkpoint as deltas
     "task.name=countdown", "task.eval_size=16", "eval.every=4", "eval.batch_size=16",
     "diagnostics.monitor_every=3", "diagnostics.monitor_prompts=2",
 ]

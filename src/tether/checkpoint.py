@@ -254,7 +254,7 @@ def _restore(tree: dict[str, Any], state: RunState) -> None:
 
 
 def _equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
-    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    return a.keys() == b.keys() and all(a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]) for k in a)
 
 
 def rng_state() -> dict[str, Any]:

@@ -29,6 +29,7 @@ from tether.config.sections import (
     RunConfig,
     SyncConfig,
     TrainConfig,
+    WeightsConfig,
 )
 from tether.config.task import (
     BUILTIN_TASKS,
@@ -62,6 +63,7 @@ __all__ = [
     "TaskConfig",
     "TrainConfig",
     "UserTaskConfig",
+    "WeightsConfig",
     "describe_fields",
     "dump_config",
     "format_fields",

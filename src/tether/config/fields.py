@@ -15,6 +15,7 @@ SECTIONS = {
     "train": "the trainer: steps, optimizer, loss estimator",
     "sync": "when the generator receives new weights",
     "loop": "synchronous or asynchronous generation and training",
+    "weights": "how kept versions are stored and new ones published (docs/scale.md)",
     "diagnostics": "mismatch diagnostics and the current-model monitor",
     "log": "where metrics go besides RUN_DIR/metrics.jsonl",
     "eval": "held-out accuracy",

@@ -19,6 +19,7 @@ from tether.config.sections import (
     RunConfig,
     SyncConfig,
     TrainConfig,
+    WeightsConfig,
 )
 from tether.config.task import CountdownTaskConfig, TaskConfig
 
@@ -31,6 +32,7 @@ class Config(Node):
     train: TrainConfig = TrainConfig()
     sync: SyncConfig = SyncConfig()
     loop: LoopConfig = LoopConfig()
+    weights: WeightsConfig = WeightsConfig()
     diagnostics: DiagnosticsConfig = Field(DiagnosticsConfig(), json_schema_extra=RESUMABLE)
     log: LogConfig = Field(LogConfig(), json_schema_extra=RESUMABLE)
     eval: EvalConfig = Field(EvalConfig(), json_schema_extra=RESUMABLE)
@@ -88,6 +90,22 @@ class Config(Node):
                 "loop.score_old=worker with train.routing_replay=r2: R2 replays the experts the "
                 "trainer's own pi_old forward chose, so the trainer scores pi_old; set "
                 "loop.score_old=trainer (or auto)"
+            )
+        w = self.weights
+        if w.snapshot_dtype == "train" and (self.train.precision, self.rollout.precision) != ("bf16", "bf16"):
+            raise CrossFieldError(
+                ["weights.snapshot_dtype", "train.precision", "rollout.precision"],
+                "weights.snapshot_dtype=train keeps in bf16 what the trainer's bf16 autocast reads "
+                "in bf16: it needs train.precision=bf16, and rollout.precision=bf16 because the "
+                "generator may load a kept version (a lagged delivery, a resume) and any other "
+                "numerics round the master weights differently; use snapshot_dtype=auto or master"
+            )
+        if w.publish == "delta" and self.loop.mode != "async":
+            raise CrossFieldError(
+                ["weights.publish", "loop.mode"],
+                "weights.publish=delta sends rollout workers deltas: it needs loop.mode=async "
+                "(the synchronous loop's engine shares the trainer's process, where publishing "
+                "is a copy); use weights.publish=full"
             )
         return self
 

@@ -311,6 +311,43 @@ class LoopConfig(Node):
         return self
 
 
+class WeightsConfig(Node):
+    snapshot_dtype: Literal["auto", "master", "train"] = Field(
+        "auto",
+        description="What a kept weight version (for exact pi_old) stores: master (every tensor "
+        "as trained, fp32), train (the tensors train.precision=bf16's autocast only reads in "
+        "bf16 stored in bf16: pi_old bit for bit the same, about half the bytes; needs "
+        "train.precision=bf16 and rollout.precision=bf16, as the generator may load a kept "
+        "version), auto (train where those hold, else master). docs/scale.md.",
+    )
+    snapshot_compress: Literal["none", "xor"] = Field(
+        "none",
+        description="Kept versions: none (each whole) or xor (the newest whole, each older one "
+        "an exact XOR delta against the next, zstd-compressed, in host memory; rebuilt bit for "
+        "bit when scored, at a decode per version in between).",
+    )
+    snapshot_offload: bool = Field(False, description="Keep snapshots in host memory when the "
+                                   "trainer is on a GPU (xor deltas always are).")
+    publish: Literal["full", "delta"] = Field(
+        "full",
+        description="How a version reaches the rollout workers (loop.mode=async): full (the "
+        "whole state dict, in shared memory or Ray's object store) or delta (an exact XOR "
+        "delta against the version before, zstd-compressed: fewer bytes to move, more CPU, "
+        "one more copy of the weights on each side).",
+    )
+    bucket_mb: int = Field(
+        64, ge=1,
+        description="Deltas (snapshot_compress=xor, publish=delta) are encoded, sent and applied "
+        "in buckets of at most this many MiB, which bounds their working memory.",
+    )
+    zstd_level: int = Field(1, ge=1, le=22, description="zstd level of the deltas (1: fastest).")
+    delta_threads: int = Field(
+        1, ge=1,
+        description="Threads that encode and apply a delta's buckets in parallel (trainer side; "
+        "a rollout worker uses loop.worker_threads).",
+    )
+
+
 class DiagnosticsConfig(Node):
     monitor_every: int = Field(
         10, ge=0,

@@ -34,7 +34,7 @@ def train_async(cfg: Config, resume: bool = False) -> RunResult:
     run = build_run(cfg, resume)
     model, trainer, tokenizer = run.model, run.trainer, run.tokenizer
     gate = StalenessGate.of(cfg)  # the sync policy, and what it does to a stale batch
-    snapshots, ledger = SnapshotStore(model), Ledger(run.run_dir / "ledger.jsonl")
+    snapshots, ledger = SnapshotStore.of(cfg, model), Ledger(run.run_dir / "ledger.jsonl")
     # The workers start building their engines now, in parallel with the evaluation at step 0.
     backend = build_backend(cfg, str(run.model_path), run.run_dir.name)
     sched = Scheduler(cfg, gate.policy, backend, snapshots, ledger, run.sampling_seed)

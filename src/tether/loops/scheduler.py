@@ -66,6 +66,7 @@ class Scheduler:
         # Seconds since the last row: keeping and freeing snapshots, publishing (packing,
         # handing over); both count in the row's time/sync.
         self.timing = {"snapshots": 0.0, "publish": 0.0}
+        self.published_bytes = 0  # sent to each worker since the last row
 
     # -- issuing -------------------------------------------------------------------------
 
@@ -156,6 +157,7 @@ class Scheduler:
         self.snapshots.put(version, weights)  # pi_old of whatever it samples
         t1 = time.perf_counter()
         self.backend.publish(version, weights)
+        self.published_bytes += self.backend.published_bytes
         self.timing["snapshots"] += t1 - t0
         self.timing["publish"] += time.perf_counter() - t1
 
@@ -189,11 +191,13 @@ class Scheduler:
         out = {**{f"time/{k}": v for k, v in self.timing.items()},
                "sync/synced": float(due and behind > 0),
                "sync/published_version": float(self.backend.version),
+               "sync/published_bytes": float(self.published_bytes),
                "snapshots/count": float(len(self.snapshots)),
                "snapshots/bytes": float(self.snapshots.nbytes), "snapshots/freed": float(len(freed)),
+               "snapshots/bytes_per_version": self.snapshots.nbytes / max(len(self.snapshots), 1),
                "async/dropped": float(self.dropped_since_log),
                "async/trained_per_generated": self.trained / max(self.received, 1)}
-        self.dropped_since_log = 0
+        self.dropped_since_log, self.published_bytes = 0, 0
         self.timing = dict.fromkeys(self.timing, 0.0)
         return out
 

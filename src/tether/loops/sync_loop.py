@@ -26,7 +26,7 @@ def train_sync(cfg: Config, resume: bool = False) -> RunResult:
     run = build_run(cfg, resume)
     model, trainer, tokenizer, r = run.model, run.trainer, run.tokenizer, cfg.rollout
     generator = build_generator(cfg, model, run.model_path, tokenizer)  # one, in this process
-    gate, snapshots = StalenessGate.of(cfg), SnapshotStore(model)  # the policy; kept versions
+    gate, snapshots = StalenessGate.of(cfg), SnapshotStore.of(cfg, model)  # the policy; kept versions
     sync = Synchronizer(gate.policy, InProcessPublisher(generator), snapshots, model.state_dict(),
                         cfg.sync.lag)
     generator_model = lambda v: getattr(generator, "model", None)  # vLLM: None (in its engine)

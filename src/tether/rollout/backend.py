@@ -41,6 +41,7 @@ class Lost:
 
 class RolloutBackend(Protocol):
     version: int  # the newest published weight version (-1: none yet)
+    published_bytes: int  # what the newest publish sent to each worker
 
     def submit(self, item: WorkItem) -> None:
         """Hand a work item to the workers; it comes back through `receive`."""
@@ -78,7 +79,10 @@ class LocalBackend:
         ctx = torch.multiprocessing.get_context("spawn")
         self.tasks, self.results = ctx.Queue(), ctx.Queue()
         weight_queues = [ctx.Queue() for _ in range(cfg.loop.workers)]
-        self.publisher = SharedMemoryPublisher(weight_queues)
+        w = cfg.weights
+        self.publisher = SharedMemoryPublisher(weight_queues, delta=w.publish == "delta",
+                                               bucket_bytes=w.bucket_mb << 20, level=w.zstd_level,
+                                               threads=w.delta_threads)
         self.workers = [ctx.Process(target=worker_main, daemon=True, name=f"tether-rollout-{i}",
                                     args=(i, cfg, model_path, os.getpid(), self.tasks,
                                           self.results, weight_queues[i]))
@@ -89,6 +93,10 @@ class LocalBackend:
     @property
     def version(self) -> int:
         return self.publisher.version
+
+    @property
+    def published_bytes(self) -> int:
+        return self.publisher.last_bytes
 
     def submit(self, item: WorkItem) -> None:
         self.tasks.put(item)

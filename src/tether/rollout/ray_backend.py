@@ -12,7 +12,9 @@ Imported only when the config asks for Ray (tether.rollout.backend.build_backend
 - Weights: a published version is packed once into one flat buffer and put into the
   object store once (`ray.put`); every actor is offered its reference, and fetches it
   (zero-copy on the actor's node after one transfer per node) only when it starts a
-  batch and the offer is newer than what its engine holds. Because calls to an actor run
+  batch and the offer is newer than what its engine holds. With `weights.publish=delta`
+  the object store holds the last whole version and the exact deltas after it; an actor
+  fetches only the deltas newer than the version it holds. Because calls to an actor run
   in order, an item submitted after a publish is sampled with that version or newer.
 - Start: a cluster address that does not answer, or an actor Ray cannot place (no node
   with the resources it asks for), fails within `run.start_timeout` with an
@@ -41,7 +43,7 @@ from tether.models import quiet_transformers
 from tether.rollout.backend import Lost
 from tether.rollout.worker import BatchResult, RolloutEngine, WorkItem
 from tether.setup import actor_config
-from tether.weights.publisher import PackedWeights, pack
+from tether.weights.publisher import DeltaSender, DeltaWeights, HeldWeights, PackedWeights, pack
 
 try:
     import ray
@@ -66,7 +68,8 @@ class RolloutActor:
     def __init__(self, index: int, cfg: Config, model_path: str):
         self.index, self.cfg, self.model_path = index, cfg, model_path
         self.engine: RolloutEngine | None = None
-        self.offered: tuple[int, list[Any]] | None = None  # (version, [object ref])
+        self.offered: tuple[int, list[Any]] | None = None  # (version, [[(version, ref), ...]])
+        self.held = HeldWeights(cfg.loop.worker_threads)  # the newest version fetched
         self.idle_since = time.perf_counter()
 
     def ready(self) -> None:
@@ -78,11 +81,13 @@ class RolloutActor:
         self.engine.announce()
         self.idle_since = time.perf_counter()
 
-    def offer(self, version: int, ref: list[Any]) -> None:
-        """A newer version exists (the reference is boxed in a list so Ray does not fetch it
-        now: only the newest offer is ever fetched)."""
+    def offer(self, version: int, refs: list[Any]) -> None:
+        """A newer version exists: `refs` are the whole version, or (weights.publish=delta)
+        the last whole one then the deltas after it, as (version, reference) pairs; boxed in
+        a list so Ray fetches none now: only the newest offer is fetched, and of a chain
+        only what this actor does not hold."""
         if self.offered is None or version > self.offered[0]:
-            self.offered = (version, ref)
+            self.offered = (version, refs)
 
     def make(self, item: WorkItem) -> BatchResult:
         """Load the newest version offered (if newer than the engine's), then the batch."""
@@ -90,11 +95,8 @@ class RolloutActor:
         if engine is None:
             raise RuntimeError(f"worker {self.index}'s engine failed to build (see its error)")
         if self.offered is not None and self.offered[0] > engine.version:
-            version, layout, buffer = ray.get(self.offered[1][0])
-            with warnings.catch_warnings():  # the object store's buffer is read-only; the
-                warnings.simplefilter("ignore")  # engine copies it into its own weights
-                packed = PackedWeights(version, torch.from_numpy(buffer), layout)
-            engine.load_weights(packed.state_dict(), version)
+            packed = self._fetch(self.offered[1][0])
+            engine.load_weights(packed.state_dict(), packed.version)
         # Calls run in order and the publish an item's min_version names preceded the item.
         if engine.version < item.min_version:
             raise RuntimeError(f"worker {engine.index} holds version {engine.version} "
@@ -102,6 +104,21 @@ class RolloutActor:
         result = self.engine.make(item, time.perf_counter() - self.idle_since)
         self.idle_since = time.perf_counter()
         return result
+
+    def _fetch(self, refs: list[tuple[int, Any]]) -> PackedWeights:
+        """The newest version in `refs`: the whole one (unless this actor holds it or a later
+        one of the chain), then each delta newer than what it holds, applied in order."""
+        (first, whole), *deltas = refs
+        if self.held.version < first or self.held.version > refs[-1][0]:
+            version, layout, buffer = ray.get(whole)
+            with warnings.catch_warnings():  # the object store's buffer is read-only: the
+                warnings.simplefilter("ignore")  # engine copies it, HeldWeights clones it
+                self.held.take(PackedWeights(version, torch.from_numpy(buffer), layout))
+        for version, ref in deltas:
+            if version > self.held.version:
+                self.held.take(ray.get(ref))
+        assert self.held.held is not None
+        return self.held.held
 
 
 class RayBackend:
@@ -123,7 +140,14 @@ class RayBackend:
             self.stop()
             raise
         self.restarts = [0] * cfg.loop.workers
-        self.version, self.weights = -1, None  # the newest version and its object ref
+        self.version = -1  # the newest published version
+        # What an actor needs for it: [(version, ref)], the whole version, then with
+        # weights.publish=delta the deltas since it (chain_bytes of them).
+        self.weights: list[tuple[int, Any]] = []
+        w = cfg.weights
+        self.sender = (DeltaSender(w.bucket_mb << 20, w.zstd_level, w.delta_threads)
+                       if w.publish == "delta" else None)
+        self.published_bytes = self.whole_bytes = self.chain_bytes = 0
 
     def _start(self, index: int, restart: int = 0) -> Any:
         actor = self.remote_cls.options(
@@ -156,8 +180,20 @@ class RayBackend:
         self.pending[self.actors[i].make.remote(item)] = (i, self.actors[i], item)
 
     def publish(self, version: int, state_dict: dict[str, torch.Tensor]) -> None:
-        packed = pack(version, state_dict)
-        self.weights = ray.put((version, packed.layout, packed.buffer.numpy()))
+        """One `ray.put` of the version (whole, or with weights.publish=delta its delta
+        against the version before: a new whole one when the deltas since the last whole
+        one would outweigh it), offered to every actor."""
+        message = self.sender.message(version, state_dict) if self.sender else pack(version, state_dict)
+        if isinstance(message, DeltaWeights) and self.chain_bytes + message.delta.nbytes < self.whole_bytes:
+            self.weights.append((version, ray.put(message)))
+            self.chain_bytes += message.delta.nbytes
+            self.published_bytes = message.delta.nbytes
+        else:
+            if isinstance(message, DeltaWeights):  # the chain is as heavy as a whole version
+                message = self.sender.last
+            self.weights = [(version, ray.put((version, message.layout, message.buffer.numpy())))]
+            self.published_bytes = self.whole_bytes = message.buffer.numel()
+            self.chain_bytes = 0
         for actor in self.actors:
             actor.offer.remote(version, [self.weights])
         self.version = version
@@ -185,7 +221,7 @@ class RayBackend:
                                f"last: {cause}") from cause
         ray.kill(self.actors[index], no_restart=True)
         self.actors[index] = self._start(index, self.restarts[index])
-        if self.weights is not None:
+        if self.weights:
             self.actors[index].offer.remote(self.version, [self.weights])
 
     def stop(self) -> None:

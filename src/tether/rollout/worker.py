@@ -219,7 +219,7 @@ def worker_main(index: int, cfg: Config, model_path: str, parent_pid: int, tasks
     try:
         engine = RolloutEngine(index, cfg, model_path)
         engine.announce()
-        subscriber = WeightSubscriber(weights, engine)
+        subscriber = WeightSubscriber(weights, engine, cfg.loop.worker_threads)
         while True:
             t0 = time.perf_counter()
             item = next_or_orphaned(tasks, parent_pid)

@@ -79,6 +79,7 @@ class Synchronizer:
             "sync/forced": float(forced),
             "snapshots/count": float(len(self.snapshots)),
             "snapshots/bytes": float(self.snapshots.nbytes),
+            "snapshots/bytes_per_version": self.snapshots.nbytes / max(len(self.snapshots), 1),
             "snapshots/freed": float(len(freed)),
         }
         self._synced = False
@@ -94,9 +95,11 @@ class Synchronizer:
         return max(ready) if ready else None
 
     def _deliver(self, version: int, trainer_version: int, weights: dict[str, torch.Tensor]) -> None:
-        if version == trainer_version:
+        if version == trainer_version:  # the trainer's own weights, whatever the store keeps
             self.snapshots.put(version, weights)
-        self.publisher.publish(version, self.snapshots.state(version))
+            self.publisher.publish(version, weights)
+        else:
+            self.publisher.publish(version, self.snapshots.state(version))
         self._synced = True
 
     def _needed(self, V: int) -> set[int]:
