@@ -24,6 +24,8 @@ and AVX2, were recorded before fingerprints: a machine whose fingerprint has no 
 compared with its capability's old pin only if its first row (the held-out samples before
 training) matches it, and skips otherwise. Elsewhere only the steps and the metric names
 are compared, and the test skips, naming the key (shown by pytest's -rs summary).
+The key snapshots/bytes_per_version (issue 32) was added to every pin as snapshots/bytes /
+snapshots/count, as the loop computes it; on this kind a fresh recording equals the patched pin.
 Re-record (only for an intended change of trajectory, on each kind) with TETHER_WRITE_PIN=1.
 Since the warm start uses every core (issue 34), a fresh test model has other weights, hence
 another fingerprint: AVX512/dbdf2a241e30 is the 2-core AVX-512 kind's, recorded from a clean
