@@ -232,3 +232,27 @@ def test_a_group_leaves_the_band_where_its_mean_is_two_sigma_off():
     assert leaves_band(drifting, reference, sigma=0.02) == 10  # 0.28 vs 0.34 at step 10
     assert leaves_band(reference, reference, sigma=0.02) is None
     assert leaves_band(drifting, reference, sigma=float("nan")) is None
+
+
+def test_bootstrap_interval_of_a_ratio_by_hand():
+    # Group seeds {1, 3}: a resampled mean is 1, 2 or 3 with probability 1/4, 1/2, 1/4;
+    # the reference's {2, 2} always has mean 2. So the ratio is 0.5, 1 or 1.5, and its 95%
+    # interval runs from the smallest to the largest.
+    lo, hi = analysis.bootstrap_ci([1.0, 3.0], [2.0, 2.0], analysis.ratio)
+    assert (lo, hi) == (0.5, 1.5)
+    # A reference without spread gives no sigma, so no deviation; one seed gives no interval.
+    assert all(math.isnan(x) for x in analysis.bootstrap_ci([1.0, 3.0], [2.0, 2.0], analysis.deviation))
+    assert all(math.isnan(x) for x in analysis.bootstrap_ci([1.0], [2.0, 3.0], analysis.ratio))
+    # Seeds that agree give a narrow interval around the point value, that disagree a wide one.
+    tight = analysis.bootstrap_ci([0.30, 0.31, 0.29], [0.40, 0.41, 0.39], analysis.ratio)
+    loose = analysis.bootstrap_ci([0.10, 0.50, 0.30], [0.40, 0.41, 0.39], analysis.ratio)
+    assert tight[0] < 0.75 < tight[1] and tight[1] - tight[0] < 0.06
+    assert loose[1] - loose[0] > 0.5
+
+
+def test_a_table_cell_carries_its_spread_and_interval():
+    row = {"r": 0.9, "r_std": 0.05, "r_lo": 0.81, "r_hi": 1.02, "n": 3, "x": float("nan"),
+           "x_lo": float("nan"), "x_hi": float("nan")}
+    assert analysis.cell_text(row, "r") == "0.900 ± 0.050 [0.810, 1.020]"
+    assert analysis.cell_text(row, "n") == "3"
+    assert analysis.cell_text(row, "x") == "n/a"

@@ -274,13 +274,8 @@ def _html_table(rows: list[dict], columns: list[tuple[str, str]]) -> str:
     head = "".join(f"<th>{html.escape(h)}</th>" for _, h in columns)
     body = []
     for r in rows:
-        tds = []
-        for k, _ in columns:
-            std = r.get(k + "_std")
-            text = analysis.fmt(r.get(k)) + (f" ± {analysis.fmt(std)}"
-                                             if isinstance(std, float) and math.isfinite(std) else "")
-            tds.append(f"<td>{html.escape(text)}</td>")
-        body.append("<tr>" + "".join(tds) + "</tr>")
+        tds = "".join(f"<td>{html.escape(analysis.cell_text(r, k))}</td>" for k, _ in columns)
+        body.append(f"<tr>{tds}</tr>")
     return f"<table><tr>{head}</tr>{''.join(body)}</table>"
 
 

@@ -11,6 +11,10 @@ Definitions (also in docs/experiments.md):
   final value; needs >= 2 reference seeds, otherwise the deviations are NaN.
 - deviation in sigma (reward or accuracy): |mean over the group's seeds - reference mean|
   / on-policy sigma.
+- 95% interval of a ratio or deviation: a percentile bootstrap over seeds, the group's and
+  the reference's seeds resampled with replacement, independently (`bootstrap_ci`); `_lo`
+  and `_hi` beside the value. With 3 seeds it is coarse, but it shows which differences
+  the seeds can tell apart. NaN with fewer than 2 seeds on either side.
 - probe distance: every final model scores a fixed probe set (held-out prompts with one
   response each, sampled once from the starting model, `OUT/probe.pt`); D(a, b) = mean over
   response tokens of KL(p_a || p_b) over the whole vocabulary. A cell's probe deviation is
@@ -240,6 +244,39 @@ def _mean_std(values: list[float]) -> tuple[float, float]:
     return float(np.mean(v)), float(np.std(v, ddof=1)) if len(v) > 1 else float("nan")
 
 
+CI_LEVEL, CI_DRAWS = 0.95, 4000
+
+
+def ratio(g: np.ndarray, r: np.ndarray) -> np.ndarray:
+    """mean(group) / mean(reference), row-wise over resampled seeds."""
+    return g.mean(-1) / r.mean(-1)
+
+
+def deviation(g: np.ndarray, r: np.ndarray) -> np.ndarray:
+    """|mean(group) - mean(reference)| in the reference's seed-to-seed sigma, row-wise."""
+    with np.errstate(divide="ignore", invalid="ignore"):
+        return np.abs(g.mean(-1) - r.mean(-1)) / r.std(-1, ddof=1)
+
+
+def bootstrap_ci(group: list[float], reference: list[float],
+                 stat: Callable[[np.ndarray, np.ndarray], np.ndarray],
+                 draws: int = CI_DRAWS, seed: int = 0) -> tuple[float, float]:
+    """The CI_LEVEL percentile interval of `stat(group, reference)` with each side's seeds
+    resampled with replacement, independently. Draws where the stat is undefined (a
+    reference resample of one repeated seed has no sigma) are left out."""
+    g = np.asarray([x for x in group if x is not None and math.isfinite(x)], dtype=float)
+    r = np.asarray([x for x in reference if x is not None and math.isfinite(x)], dtype=float)
+    if len(g) < 2 or len(r) < 2:
+        return float("nan"), float("nan")
+    rng = np.random.default_rng(seed)
+    vals = stat(g[rng.integers(0, len(g), (draws, len(g)))], r[rng.integers(0, len(r), (draws, len(r)))])
+    vals = vals[np.isfinite(vals)]
+    if not len(vals):
+        return float("nan"), float("nan")
+    lo, hi = np.quantile(vals, [(1 - CI_LEVEL) / 2, (1 + CI_LEVEL) / 2])
+    return float(lo), float(hi)
+
+
 def summarize(out: Path, probe_tokens: int = 16,
               extend: Callable[[Path, dict], None] | None = None) -> dict:
     """Per-cell and per-group numbers with deviations from the on-policy reference.
@@ -304,6 +341,10 @@ def summarize(out: Path, probe_tokens: int = 16,
             [cell_rows(out, n) for n, c in cells.items() if (c["scenario"], c["method"]) == (scen, meth)],
             [cell_rows(out, n) for n, c in cells.items() if (c["scenario"], c["method"]) == ref],
             sig_t)
+        for key, value in (("trainer", "final_trainer"), ("last3", "last3_trainer")):
+            own, base = [m[value] for m in members], [c[value] for c in ref_cells]
+            g[f"{key}_ratio_lo"], g[f"{key}_ratio_hi"] = bootstrap_ci(own, base, ratio)
+            g[f"{key}_dev_sigma_lo"], g[f"{key}_dev_sigma_hi"] = bootstrap_ci(own, base, deviation)
         g["probe_dev_sigma"] = (math.sqrt(g["probe_kl_to_ref"] / ref_spread)
                                 if ref_spread > 0 and math.isfinite(g["probe_kl_to_ref"]) else float("nan"))
         groups.append(g)
@@ -351,16 +392,20 @@ def fmt(v, digits: int = 3) -> str:
     return str(v)
 
 
+def cell_text(row: dict, key: str) -> str:
+    """A table cell: the value, `± std` where the row holds `key_std`, and its 95% interval
+    `[lo, hi]` where it holds `key_lo` and `key_hi`."""
+    text = fmt(row.get(key))
+    std, lo, hi = row.get(key + "_std"), row.get(key + "_lo"), row.get(key + "_hi")
+    if isinstance(std, float) and math.isfinite(std):
+        text += f" ± {fmt(std)}"
+    if isinstance(lo, float) and isinstance(hi, float) and math.isfinite(lo) and math.isfinite(hi):
+        text += f" [{fmt(lo)}, {fmt(hi)}]"
+    return text
+
+
 def markdown_table(rows: list[dict], columns: list[tuple[str, str]]) -> str:
-    """`columns`: (key, header). Keys ending in a '±' pair show mean ± std."""
-    head = "| " + " | ".join(h for _, h in columns) + " |"
-    sep = "|" + "|".join("---" for _ in columns) + "|"
-    lines = [head, sep]
-    for r in rows:
-        cells = []
-        for k, _ in columns:
-            v = r.get(k)
-            std = r.get(k + "_std")
-            cells.append(fmt(v) + (f" ± {fmt(std)}" if isinstance(std, float) and math.isfinite(std) else ""))
-        lines.append("| " + " | ".join(cells) + " |")
+    """`columns`: (key, header); each cell as `cell_text` writes it."""
+    lines = ["| " + " | ".join(h for _, h in columns) + " |", "|" + "|".join("---" for _ in columns) + "|"]
+    lines += ["| " + " | ".join(cell_text(r, k) for k, _ in columns) + " |" for r in rows]
     return "\n".join(lines)
