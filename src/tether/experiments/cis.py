@@ -44,7 +44,7 @@ from pathlib import Path
 
 import torch
 
-from tether.experiments.runner import Cell, Experiment
+from tether.experiments.runner import EVAL_SEED, Cell, Experiment
 
 QUESTION = ("With a generator whose mismatch is CIS Appendix A's size, does CIS bound the "
             "importance weights' second moment with less bias than TIS on low-confidence "
@@ -89,7 +89,8 @@ def build(quick: bool = False, seeds: int | None = None) -> Experiment:
         base = TASK + ["model.warmstart_steps=200", "train.steps=60", "train.lr=1e-4",
                        "rollout.prompts_per_step=32", "rollout.group_size=8",
                        "rollout.max_new_tokens=12", "eval.every=20", "eval.samples=4",
-                       "diagnostics.monitor_every=0", "run.checkpoint_every=10"]
+                       f"eval.seed={EVAL_SEED}", "diagnostics.monitor_every=0",
+                       "run.checkpoint_every=10"]
     cells = [Cell("exact", "none", s, tuple(SCENARIOS["exact"] + METHODS["none"]))
              for s in range(n_ref)]
     cells += [Cell(scen, m, s, tuple(SCENARIOS[scen] + METHODS[m]))
@@ -105,7 +106,8 @@ def build(quick: bool = False, seeds: int | None = None) -> Experiment:
               "AReaL's decoupled PPO (pi_prox/mu capped at 5); decoupled_cis: CIS's recipe "
               "(that weight under CIS's cap)"),
              (f"eps and truncation bias: starting model, inj generator, pi_old bins "
-              f"{BIN_EDGES}; the test bin is pi_old < 0.5")]
+              f"{BIN_EDGES}; the test bin is pi_old < 0.5"),
+             "sampled evaluations share their draws across cells (eval.seed)"]
     return Experiment("cis", QUESTION, base, cells, ("exact", "none"), notes)
 
 

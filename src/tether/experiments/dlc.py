@@ -43,7 +43,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from tether.experiments.runner import Cell, Experiment
+from tether.experiments.runner import EVAL_SEED, Cell, Experiment
 
 QUESTION = ("Under an fp8 generator lagging k versions, does plain reweighting drift off the "
             "on-policy trajectory while DLC (staleness IS + centering + ESS re-sync) stays on it?")
@@ -77,7 +77,6 @@ WARMSTART_STEPS = 900
 LR = 2e-4
 LAG = 32
 STEPS = 60
-EVAL_SEED = 7919  # common evaluation draws across cells: sigma is the policies' spread
 
 
 def scenarios(lag: int) -> dict[str, list[str]]:

@@ -53,7 +53,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from tether.experiments.runner import Cell, Experiment
+from tether.experiments.runner import EVAL_SEED, Cell, Experiment
 
 QUESTION = ("With a fixed optimizer mini-batch and N of them per rollout batch (more stale "
             "updates as N grows), which objective keeps the trained policy's reward, and does "
@@ -73,10 +73,6 @@ NS = (1, 64)
 SEEDS = 3
 REFERENCE_SEEDS = 5  # the N1 x grpo reference: sigma needs more seeds than a claim
 WARMSTART_STEPS = 1200
-# Every cell samples its held-out answers with the same draws (common random numbers): equal
-# weights score equally, so seed-to-seed spread is the policies'. With each cell's own draws,
-# the 5 reference seeds' step-0 scores of one model spread 0.156-0.203 (sd 0.017).
-EVAL_SEED = 7919
 
 # Countdown written as steps, 4 numbers, and its cached warm start, with a correctness-only
 # reward, as the paper's: at format_weight 0.1 the on-policy reference traded correct chains
