@@ -81,6 +81,20 @@ def test_quick_experiment_tables_resume_and_report(name, tmp_path, warm_model_di
     assert re.search(r"final trainer-side eval/accuracy(_sampled)? \d", md)
     assert "final generator-side batch reward" in md
 
+    if name == "cis":  # plain IS's exact per-prefix second moment, beside the sampled one
+        tb = json.loads((out / "truncation_bias.json").read_text())
+        for g in (tb, tb["inj_tail"]):
+            for b in [g] + [{"rho_second_moment": x["sampled"], "rho_second_moment_exact": x["exact"]}
+                            for x in g["rho_second_moment_per_batch"]]:
+                # sum_v pi^2/mu >= (sum_v pi)^2 / sum_v mu = 1 on every prefix (Cauchy-Schwarz).
+                assert b["rho_second_moment_exact"] >= 1 - 1e-5
+                if g is tb:  # light tail: the sampled mean of rho^2 estimates the same expectation
+                    assert b["rho_second_moment"] == pytest.approx(b["rho_second_moment_exact"], abs=0.15)
+        # The outliers' tail: a few prefixes where mu nearly excludes a token pi_old gives
+        # weight hold almost all of E[rho^2], which a sample of tokens rarely sees.
+        assert tb["inj_tail"]["rho_second_moment_exact"] > 10 * tb["inj_tail"]["rho_second_moment"]
+        assert "exact on the same prefixes" in md
+
     # A cell stopped mid-run (no done.json) is left out of the tables, and named.
     last = exp.cells[-1]
     (out / "cells" / last.name / "done.json").unlink()

@@ -306,6 +306,17 @@ def _bias_test_line(test: dict) -> str:
             f"(bar ≤ 0.5: {'met' if test['passes'] else 'not met'}; per batch: {per}).")
 
 
+def _second_moment_line(g: dict) -> str:
+    """Plain IS's second moment sampled (mean rho^2 over the sampled tokens) beside its exact
+    value on the same prefixes (E_mu[rho^2] = sum_v pi_old(v)^2 / mu(v), whole vocabulary)."""
+    per = "; ".join(f"{analysis.fmt(b['sampled'])} / {analysis.fmt(b['exact'])}"
+                    for b in g["rho_second_moment_per_batch"])
+    return (f"Plain IS second moment E[ρ²]: sampled {analysis.fmt(g['rho_second_moment'])}, exact on "
+            f"the same prefixes {analysis.fmt(g['rho_second_moment_exact'])} (Σ_v π_old(v)²/μ(v) per "
+            f"prefix; largest prefix {analysis.fmt(g['rho_second_moment_exact_max'])}); per batch, "
+            f"sampled / exact: {per}.")
+
+
 def _epsilon_caption(g: dict) -> str:
     a = g.get("appendix_a", {})
     return (f"ε = logit π_old − logit μ by generator confidence μ ({g['tokens']} tokens; pooled "
@@ -358,6 +369,8 @@ def build_report(out: str | Path, command: str | None = None) -> tuple[Path, Pat
         md += [caption, "", analysis.markdown_table(g["bins"], _bias_columns(g)), ""]
         if g.get("test"):
             md += [_bias_test_line(g["test"]), ""]
+        if "rho_second_moment_exact" in g:
+            md += [_second_moment_line(g), ""]
         if g.get("epsilon"):
             md += [_epsilon_caption(g), "", analysis.markdown_table(g["epsilon"], EPSILON_COLUMNS), ""]
     md += [f"![{title}]({p.name})" for p, title in figs]
@@ -379,6 +392,8 @@ def build_report(out: str | Path, command: str | None = None) -> tuple[Path, Pat
         parts += [f"<p>{caption}</p>", _html_table(g["bins"], _bias_columns(g))]
         if g.get("test"):
             parts.append(f"<p>{html.escape(_bias_test_line(g['test']))}</p>")
+        if "rho_second_moment_exact" in g:
+            parts.append(f"<p>{html.escape(_second_moment_line(g))}</p>")
         if g.get("epsilon"):
             parts += [f"<p>{html.escape(_epsilon_caption(g))}</p>",
                       _html_table(g["epsilon"], EPSILON_COLUMNS)]

@@ -190,21 +190,26 @@ def measure_generator(meta: dict, scenario: str, seed: int) -> dict:
     task = task_from_config(cfg.task)
     model, tok = load_model(meta["model_path"])
     model.eval()
-    sampling = SamplingParams(n=r.group_size, max_new_tokens=r.max_new_tokens)
+    # The generator's whole distribution (K = V): E_mu[rho^2] of every prefix, exactly.
+    V = model.config.vocab_size
+    sampling = SamplingParams(n=r.group_size, max_new_tokens=r.max_new_tokens, logprobs_topk=V)
     gen = HFGenerator(model, tok.eos_token_id, tok.pad_token_id, r.precision, r.router_noise,
                       logit_noise=logit_noise(r))
     prompts = 8 * r.prompts_per_step
-    old, mu, masks = [], [], []
+    old, mu, masks, exact = [], [], [], []
     for c in range(BIAS_CHUNKS):
         problems = [task.train_problem(10_000_000 + c * prompts + i) for i in range(prompts)]
         batch = collate(gen.generate([encode_exact(tok, p.prompt) for p in problems],
                                      [p.id for p in problems], sampling, seed=seed + c),
                         tok.pad_token_id)
-        logp_old, _ = token_logprobs(model, batch, sampling)  # (B, T) fp32 trainer, same weights
+        logp_old, topk_old = token_logprobs(model, batch, sampling)  # fp32 trainer, same weights
         old.append(logp_old)
+        # sum_v pi_old(v)^2 / mu(v) over the whole vocabulary, per position (B, T)
+        exact.append((2 * topk_old - batch.topk_logp_rollout).clamp(max=40).exp().sum(-1))
         mu.append(batch.logp_rollout)
         masks.append(batch.response_mask)
     logp_old, logp_mu, mask = _cat(old), _cat(mu), _cat(masks).bool()
+    exact = _cat(exact)  # padding positions: 0, outside the mask
     rho = (logp_old - logp_mu).clamp(-20, 20).exp()  # (B, T)
     tensors = {"logp_old": logp_old, "logp_rollout": logp_mu, "mask": mask}
     weights = {}
@@ -213,20 +218,25 @@ def measure_generator(meta: dict, scenario: str, seed: int) -> dict:
         weights[name] = entry.fn(*(tensors[k] for k in entry.inputs)).weight.expand_as(rho)
     p_old = logp_old.exp()
     bins = _bias_rows(rho, p_old, mask, weights)
-    per_batch, start = [], 0
+    per_batch, batch_moments, start = [], [], 0
     for n in (o.shape[0] for o in old):
         sl = slice(start, start + n)
         start += n
         low = _bias_rows(rho[sl], p_old[sl], mask[sl], {k: w[sl] for k, w in weights.items()})[0]
         per_batch.append(_ratio(low))
+        batch_moments.append({"sampled": float((rho[sl][mask[sl]] ** 2).mean()),
+                              "exact": float(exact[sl][mask[sl]].mean())})
     ratio = _ratio(bins[0])
-    rho_v = rho[mask]
+    rho_v, exact_v = rho[mask], exact[mask]
     noise = (f" + INJECTED Student-t logit noise (scale {r.logit_noise:g}, dof {r.logit_noise_dof}"
              + (f"; {r.logit_noise_outliers:g} of logits at scale {r.logit_noise_outlier_scale:g}"
                 if r.logit_noise_outliers else "") + ")")
     return {"scenario": scenario, "bins": bins, "tokens": int(mask.sum()),
             "prompts": prompts * BIAS_CHUNKS, "samples": r.group_size,
             "rho_second_moment": float((rho_v ** 2).mean()), "rho_max": float(rho_v.max()),
+            "rho_second_moment_exact": float(exact_v.mean()),
+            "rho_second_moment_exact_max": float(exact_v.max()),
+            "rho_second_moment_per_batch": batch_moments,
             "epsilon": [asdict(b) for b in epsilon_bins(logp_old, logp_mu, mask)],
             "appendix_a": CIS_APPENDIX_A,
             "generator": f"{r.precision} + router noise {r.router_noise:g}{noise}",
