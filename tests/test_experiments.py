@@ -94,6 +94,13 @@ def test_quick_experiment_tables_resume_and_report(name, tmp_path, warm_model_di
         # weight hold almost all of E[rho^2], which a sample of tokens rarely sees.
         assert tb["inj_tail"]["rho_second_moment_exact"] > 10 * tb["inj_tail"]["rho_second_moment"]
         assert "exact on the same prefixes" in md
+        # Every bin, both directions, per batch; the verdict needs the pooled ratio and each batch's.
+        test = tb["test"]
+        for row in tb["bins"]:
+            assert len(row["cis_over_tis_per_batch"]) == len(tb["rho_second_moment_per_batch"]) == 4
+        assert test["cis_over_tis_per_batch"] == tb["bins"][0]["cis_over_tis_per_batch"]
+        assert test["passes"] == all(x <= 0.5 for x in [test["cis_over_tis"], *test["cis_over_tis_per_batch"]])
+        assert "pooled and in every batch" in md and "| … per batch |" in md
 
     # A cell stopped mid-run (no done.json) is left out of the tables, and named.
     last = exp.cells[-1]

@@ -380,9 +380,11 @@ def write_csv(path: Path, rows: list[dict]) -> None:
 
 
 def fmt(v, digits: int = 3) -> str:
-    """A table cell: NaN/None as 'n/a'."""
+    """A table cell: NaN/None as 'n/a', a list as its values joined."""
     if v is None:
         return "-"
+    if isinstance(v, (list, tuple)):
+        return ", ".join(fmt(x, digits) for x in v)
     if isinstance(v, float):
         if not math.isfinite(v):
             return "n/a"
