@@ -102,6 +102,9 @@ def test_quick_experiment_tables_resume_and_report(name, tmp_path, warm_model_di
         assert test["passes"] == all(x <= 0.5 for x in [test["cis_over_tis"], *test["cis_over_tis_per_batch"]])
         assert "pooled and in every batch" in md and "| … per batch |" in md
 
+    for g in json.loads((out / "summary.json").read_text())["groups"]:  # one entry per seed
+        assert len(g["ess_below_0.5_per_seed"]) == len(g["leaves_band_per_seed"]) == g["seeds"]
+
     # A cell stopped mid-run (no done.json) is left out of the tables, and named.
     last = exp.cells[-1]
     (out / "cells" / last.name / "done.json").unlink()

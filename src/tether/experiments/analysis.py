@@ -21,7 +21,9 @@ Definitions (also in docs/experiments.md):
   sqrt(mean_j D(ref_j, cell) / mean_{j != k} D(ref_j, ref_k)): KL grows like a squared
   distance, so the square root reads as "on-policy seed-to-seed spreads". NaN with < 2
   reference seeds.
-- ESS < 0.5 step: first step whose `staleness/ess/token` < 0.5 (None: never).
+- ESS < 0.5 step: first step whose `staleness/ess/token` < 0.5 (None: never); the group's
+  is its seeds' earliest. Per seed, beside the step that seed's run leaves the ±2σ band
+  (`leaves_band` on its own rows): `ess_below_0.5_per_seed`, `leaves_band_per_seed`.
 - rare-token share: the largest `monitor/kl_share/rare` seen (the current-model monitor).
 - collapse: the smoothed reward (running mean over 5 steps) ends below half its best.
 - trainer-side collapse: the last trainer-side headline value below half the run's best
@@ -337,10 +339,13 @@ def summarize(out: Path, probe_tokens: int = 16,
         g["last3_dev_sigma"] = (abs(g["last3_trainer"] - ref_l3) / sig_l3 if sig_l3 > 0
                                 else float("nan"))
         g["last3_ratio"] = g["last3_trainer"] / ref_l3 if ref_l3 > 0 else float("nan")
-        g["leaves_band_step"] = leaves_band(
-            [cell_rows(out, n) for n, c in cells.items() if (c["scenario"], c["method"]) == (scen, meth)],
-            [cell_rows(out, n) for n, c in cells.items() if (c["scenario"], c["method"]) == ref],
-            sig_t)
+        own_rows = {n: cell_rows(out, n) for n, c in cells.items() if (c["scenario"], c["method"]) == (scen, meth)}
+        ref_rows = [cell_rows(out, n) for n, c in cells.items() if (c["scenario"], c["method"]) == ref]
+        g["leaves_band_step"] = leaves_band(list(own_rows.values()), ref_rows, sig_t)
+        # Per seed, in seed order: does the ESS fall below 0.5 before the run leaves the band?
+        by_seed = sorted(own_rows, key=lambda n: cells[n]["seed"])
+        g["ess_below_0.5_per_seed"] = [cells[n]["ess_below_0.5_step"] for n in by_seed]
+        g["leaves_band_per_seed"] = [leaves_band([own_rows[n]], ref_rows, sig_t) for n in by_seed]
         for key, value in (("trainer", "final_trainer"), ("last3", "last3_trainer")):
             own, base = [m[value] for m in members], [c[value] for c in ref_cells]
             g[f"{key}_ratio_lo"], g[f"{key}_ratio_hi"] = bootstrap_ci(own, base, ratio)
