@@ -122,8 +122,13 @@ def test_cell_stats_by_hand():
     rows += [{"step": i + 1, "reward/mean": r, "staleness/ess/token": e}
              for i, (r, e) in enumerate(zip(reward, ess))]
     rows[-1]["eval/accuracy"] = 0.25
+    for i, row in enumerate(rows[1:]):  # the drift on old prefixes, and on own samples every 3rd step
+        row["total/k3_kl/mean"] = 0.01 * i
+        if i % 3 == 2:
+            row["monitor/k3_kl/mean"] = 0.1 * i
     s = analysis.cell_stats(rows)
     assert s["ess_below_0.5_step"] == 4 and s["min_ess"] == pytest.approx(0.3)
+    assert s["total_k3"] == pytest.approx(0.04) and s["monitor_k3"] == pytest.approx(0.5)  # 0.1 (2+5+8)/3
     assert s["final_reward"] == pytest.approx(0.1)  # mean of the last W = 9 // 4 = 2 steps
     assert s["best_reward_smoothed"] == pytest.approx(0.42)
     assert not s["collapsed"] and s["final_accuracy"] == 0.25 and s["accuracy_start"] == 0.5

@@ -34,6 +34,10 @@ Definitions (also in docs/experiments.md):
   max staleness: the largest over the run (`staleness/versions/max`, or the batch value).
 - staleness k3: the run's mean over steps of `staleness/k3_kl/mean` (token k3 of the
   trained policy against the weights that sampled its batch): how far it drifted in a batch.
+- k3 on old prefixes / on own samples: the run's means of `total/k3_kl/mean` (the trained
+  policy against the generator, on the generator's samples) and of `monitor/k3_kl/mean`
+  (the same pair on the trained policy's own samples, every `diagnostics.monitor_every`
+  steps). DLC says a drift can be invisible on old prefixes and plain on the model's own.
 - wall seconds: the cell's `done.json` seconds (the whole `train` call, evaluations included).
 """
 
@@ -150,6 +154,10 @@ def cell_stats(rows: list[dict]) -> dict[str, float | int | str | None]:
         "corr_adv_second_moment": _mean(rows, "correction/weight/adv_second_moment"),
         "numerical_k3": _mean(rows, "numerical/k3_kl/mean"),
         "staleness_k3": _mean(rows, "staleness/k3_kl/mean"),
+        # The same divergence seen two ways: on the generator's (old) prefixes, KL(mu || pi_theta),
+        # and on the current model's own samples (the monitor), KL(pi_theta || mu).
+        "total_k3": _mean(rows, "total/k3_kl/mean"),
+        "monitor_k3": _mean(rows, "monitor/k3_kl/mean"),
         "step_seconds": _mean(rows, "time/step"),
         "mean_staleness": float(stale.mean()) if len(stale) else float("nan"),
         "max_staleness": float(stale_max.max()) if len(stale_max) else float("nan"),
@@ -324,7 +332,7 @@ def summarize(out: Path, probe_tokens: int = 16,
         for key in ("final_reward", "final_accuracy", "final_trainer", "final_reward_sampled", "min_ess", "rare_kl_share_max",
                     "resyncs", "is_second_moment", "is_adv_second_moment",
                     "corr_second_moment", "corr_adv_second_moment", "numerical_k3",
-                    "staleness_k3", "step_seconds", "probe_kl_to_ref", "best_reward_smoothed",
+                    "staleness_k3", "total_k3", "monitor_k3", "step_seconds", "probe_kl_to_ref", "best_reward_smoothed",
                     "mean_staleness", "max_staleness", "wall_seconds", "best_trainer",
                     "last3_trainer"):
             g[key], g[key + "_std"] = _mean_std([m[key] for m in members])

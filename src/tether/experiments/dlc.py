@@ -171,4 +171,5 @@ COLUMNS = [("scenario", "generator"), ("method", "method"), ("seeds", "seeds"),
            ("mean_staleness", "staleness (versions)"),
            ("staleness_vs_naive", "staleness / naive's"), ("staleness_met", "≤ half naive's"),
            ("on_path", "on path (≤ 2σ, ≥ 0.9×)"), ("collapses", "naive collapses"),
-           ("rare_kl_share_max", "rare KL share (max)"), ("numerical_k3", "numerical k3")]
+           ("rare_kl_share_max", "rare KL share (max)"), ("numerical_k3", "numerical k3"),
+           ("total_k3", "k3 on old prefixes"), ("monitor_k3", "k3 on own samples")]
