@@ -184,7 +184,9 @@ def test_only_rejects_unknown_groups(tmp_path, capsys):
 
 def test_full_matrices_are_the_documented_ones():
     dlc = get("dlc").build()
-    assert len(dlc.groups()) == 23 and len(dlc.cells) == 71  # duplicates skipped, 3 seeds (ref 5)
+    assert len(dlc.groups()) == 24 and len(dlc.cells) == 74  # duplicates skipped, 3 seeds (ref 5)
+    controls = {m for s, m in dlc.groups() if s == "lag32"} - {m for s, m in dlc.groups() if s == "fp8_lag32"}
+    assert {"reweight_cap5", "reweight_uncapped", "dlc_schedule", "stale_is_ess"} <= controls
     assert sum(c.scenario == "exact" and c.method == "naive" for c in dlc.cells) == 5
     vespo = get("vespo").build()
     # N = 1: grpo (the reference, 5 seeds) and sapo, the two distinct on-policy gradients;

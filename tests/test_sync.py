@@ -23,6 +23,7 @@ from tether.weights import (
     EssTrigger,
     EveryK,
     InProcessPublisher,
+    ResyncK,
     SnapshotStore,
     Synchronizer,
     parse_sync_policy,
@@ -36,7 +37,7 @@ from tether.weights.gate import StalenessGate
 @pytest.mark.parametrize("spec,policy", [
     ("every:1", EveryK(1)), ("every:4", EveryK(4)), ("bounded:0", BoundedK(0)),
     ("bounded:3", BoundedK(3)), ("ess:0.5", EssTrigger(0.5)), ("ess:1", EssTrigger(1.0)),
-    ("ess:0.5:max=8", EssTrigger(0.5, 8)),
+    ("ess:0.5:max=8", EssTrigger(0.5, 8)), ("resync:12", ResyncK(12)),
 ])
 def test_parse_valid_specs(spec, policy):
     assert parse_sync_policy(spec) == policy
@@ -49,6 +50,7 @@ def test_parse_valid_specs(spec, policy):
     ("ess:0", "TAU must be in (0, 1]"), ("ess:1.5", "TAU must be in (0, 1]"),
     ("ess:half", "TAU must be a number"), ("ess:0.5:min=3", "unknown option 'min=3'"),
     ("ess:0.5:max=0", "max must be >= 1"), ("every:1:2", "expected every:K"),
+    ("resync:0", "K must be >= 1"), ("resync", "expected resync:K"),
 ])
 def test_parse_bad_specs_name_the_fix(spec, message):
     with pytest.raises(ValueError, match="valid forms|must|unknown option") as e:
@@ -154,6 +156,20 @@ def test_max_interval_forces_a_resync():
     seen, _ = drive("ess:1.0:max=3", lag=100, steps=7)
     assert [s[1] for s in seen] == [0, 0, 3, 3, 3, 6, 6]
     assert [s[3] for s in seen] == [0, 0, 1, 0, 0, 1, 0]
+
+
+def test_resync_k_is_the_ess_trigger_on_a_fixed_schedule():
+    # Lag 2, every step lagged; a re-sync to the trainer's version every 3 steps without one.
+    seen, _ = drive("resync:3", lag=2, steps=8)
+    assert [s[1] for s in seen] == [0, 0, 3, 3, 3, 6, 6, 6]  # version the generator holds
+    assert [s[0] for s in seen] == [0, 1, 2, 0, 1, 2, 0, 1]  # staleness never passes the lag here
+    assert [s[3] for s in seen] == [0, 0, 1, 0, 0, 1, 0, 0]
+    seen, _ = drive("resync:4", lag=1, steps=6)  # lagged deliveries in between: gen = V - 1
+    assert [s[1] for s in seen] == [0, 1, 2, 4, 4, 5]
+    policy = ResyncK(4)
+    assert not policy.trips(0.0) and not policy.measures_ess
+    assert policy.publishes(behind=4, blocked=False, tripped=False)
+    assert not policy.publishes(behind=3, blocked=False, tripped=True)
 
 
 def test_sync_state_round_trips():

@@ -147,7 +147,7 @@ def cell_stats(rows: list[dict]) -> dict[str, float | int | str | None]:
         "ess_below_0.5_step": _first_below(rows, "staleness/ess/token", 0.5),
         "min_ess": float(ess.min()) if len(ess) else float("nan"),
         "rare_kl_share_max": float(rare.max()) if len(rare) else float("nan"),
-        "resyncs": int(sum(r.get("sync/tripped", 0) for r in rows)),
+        "resyncs": int(sum(r.get("sync/tripped", 0) + r.get("sync/forced", 0) for r in rows)),
         "is_second_moment": _mean(rows, "numerical/is_weight/second_moment"),
         "is_adv_second_moment": _mean(rows, "numerical/is_weight/adv_second_moment"),
         "corr_second_moment": _mean(rows, "correction/weight/second_moment"),

@@ -12,6 +12,11 @@ on the dense tiny model.
   trained on).
 - `dlc_clip` is centering under a PPO clip around pi_old (with the ESS re-sync): does the
   clip, which anchors every update to pi_old, explain why tis held the path better?
+- Controls, under lag k only: `reweight_cap5` and `reweight_uncapped` (plain reweighting
+  with its cap at 5 and none: does the cap at 2 explain its small drift?), `dlc_schedule`
+  (dlc's re-syncs on a fixed schedule of the same count, `resync:RESYNC_EVERY`: does the
+  ESS's timing matter?), `stale_is_ess` (staleness IS with the ESS re-sync, no centering:
+  what does centering add on top of the re-sync?).
 - Centering is exact: K = V = 21, the whole vocabulary.
 The on-policy reference is exact x naive (fp32, lag 0, REINFORCE), with 5 seeds.
 Headlines are the trainer's: held-out accuracy sampled like the rollouts, every 5 steps.
@@ -32,7 +37,10 @@ What it simplifies, to fit 60 minutes on 2 cores: cells that are provably the sa
 are not repeated. With lag 0 there is no staleness, so the re-sync variants equal their
 base method, reweight equals tis without the clip, and only naive, tis and dlc are run;
 on `exact` only naive (the reference) and dlc (does centering cost anything on-policy?).
-mis is left out (tis stands for the truncation family). The bf16 generator is left out: fp8
+mis is left out (tis stands for the truncation family). From the 71-cell run (RESULTS.md):
+fp8 x tis is cut (fp8 alone moved no method), and fp8 + lag k x {dlc_clip, dlc_noresync}
+(they ended as under lag k alone), to make room for the controls. The 74-cell matrix has
+not been timed yet. The bf16 generator is left out: fp8
 is the larger numerical push, and in the 74-cell run bf16 x {naive, tis, dlc} moved no method
 while its cells cost the most (128-149 s against 74-100 s on 2 AVX2 cores; RESULTS.md).
 The testbed is the calibrated one (WARMSTART_STEPS, LR; docs/experiments.md): lag 32,
@@ -49,6 +57,9 @@ QUESTION = ("Under an fp8 generator lagging k versions, does plain reweighting d
             "on-policy trajectory while DLC (staleness IS + centering + ESS re-sync) stays on it?")
 
 TASK = ["task.use_all=true", "task.format_weight=0.1"]
+# dlc re-synced 4.7 and 5.0 times in a 60-step run under lag 32 and fp8 + lag 32 (RESULTS.md):
+# resync:12 re-syncs after steps 12, 24, 36, 48 and 60, the same count on a fixed schedule.
+RESYNC_EVERY = 12
 METHODS = {
     "naive": ["train.estimator=naive", "sync.policy=every:1"],
     "reweight": ["train.estimator=reweight", "sync.policy=every:1"],
@@ -57,6 +68,15 @@ METHODS = {
     "dlc_noresync": ["train.estimator=dlc", "sync.policy=every:1"],
     "dlc": ["train.estimator=dlc", "sync.policy=ess:0.5"],
     "dlc_clip": ["train.estimator=dlc_clip", "sync.policy=ess:0.5"],
+    # Controls (issue 29). Plain reweighting with a looser cap and none: is its cap at 2 what
+    # keeps it near the path? dlc's re-syncs on a fixed schedule of the same count: does the
+    # ESS's timing matter? Staleness IS with the ESS re-sync and no centering: what does
+    # centering add on top of the re-sync?
+    "reweight_cap5": ["train.estimator=reweight", "train.estimator_params.cap=5", "sync.policy=every:1"],
+    "reweight_uncapped": ["train.estimator=reweight", "train.estimator_params.cap=.inf",
+                          "sync.policy=every:1"],
+    "dlc_schedule": ["train.estimator=dlc", f"sync.policy=resync:{RESYNC_EVERY}"],
+    "stale_is_ess": ["train.estimator=stale_is+none", "sync.policy=ess:0.5"],
     # The asynchronous race only: the window the ESS governs, and the two after_trip rules.
     "dlc_window": ["train.estimator=dlc", "sync.policy=ess:0.5", "loop.window=ess",
                    "loop.after_trip=window"],
@@ -64,9 +84,17 @@ METHODS = {
                   "loop.after_trip=regenerate"],
 }
 ASYNC_ONLY = ("dlc_window", "dlc_regen")
+CONTROLS = ("reweight_cap5", "reweight_uncapped", "dlc_schedule", "stale_is_ess")
 ASYNC_METHODS = ["naive", "dlc", *ASYNC_ONLY]
-STALE_METHODS = [m for m in METHODS if m not in ASYNC_ONLY]  # the paper's comparison under lag
-NUMERICAL_METHODS = ["naive", "tis", "dlc"]  # lag 0: no staleness to correct or re-sync on
+# The paper's comparison under lag, and the controls under pure staleness (lag 32, fp32).
+PAPER_METHODS = [m for m in METHODS if m not in ASYNC_ONLY + CONTROLS]
+STALE_METHODS = PAPER_METHODS + list(CONTROLS)
+# fp8 + lag 32: dlc_clip ended level with dlc, and dlc_noresync at 0.159, under both lagged
+# generators in the 71-cell run (RESULTS.md): lag 32 answers both questions; cut here.
+BOTH_METHODS = [m for m in PAPER_METHODS if m not in ("dlc_clip", "dlc_noresync")]
+# Lag 0: no staleness to correct or re-sync on. naive shows fp8 alone moves nothing, dlc that
+# centering costs nothing; tis (0.2 sigma in the 74-cell run) is cut.
+NUMERICAL_METHODS = ["naive", "dlc"]
 REFERENCE_SEEDS = 5  # the on-policy sigma needs them (DESIGN.md section 7)
 # The calibrated testbed (docs/experiments.md, "Calibration"): the warm start and learning
 # rate at which the on-policy reference itself learns, with a small seed-to-seed sigma.
@@ -119,7 +147,7 @@ def build(quick: bool = False, seeds: int | None = None) -> Experiment:
                        f"eval.seed={EVAL_SEED}",
                        "diagnostics.monitor_every=5", "run.checkpoint_every=10"]
         plan = {"exact": ["naive", "dlc"], "fp8": NUMERICAL_METHODS,
-                f"lag{lag}": STALE_METHODS, f"fp8_lag{lag}": STALE_METHODS,
+                f"lag{lag}": STALE_METHODS, f"fp8_lag{lag}": BOTH_METHODS,
                 f"fp8_async{lag}": ASYNC_METHODS}
     scen = scenarios(lag)
     cells = [Cell(s, m, seed, tuple(scen[s] + method_overrides(s, m, lag)))

@@ -15,6 +15,7 @@ from tether.weights.policy import (
     BoundedK,
     EssTrigger,
     EveryK,
+    ResyncK,
     SyncPolicy,
     parse_sync_policy,
     resolve_policy_spec,
@@ -35,7 +36,7 @@ def __getattr__(name: str) -> object:
 
 
 __all__ = [
-    "BoundedK", "EssTrigger", "EveryK", "InProcessPublisher",
+    "BoundedK", "EssTrigger", "EveryK", "InProcessPublisher", "ResyncK",
     "SharedMemoryPublisher", "SnapshotStore", "SyncPolicy", "Synchronizer", "WeightSubscriber",
     "parse_sync_policy", "resolve_policy_spec",
 ]

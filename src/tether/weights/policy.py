@@ -5,7 +5,7 @@ nothing. The synchronous loop applies it through `tether.weights.Synchronizer`; 
 asynchronous loop through its publish rule (docs/async.md).
 
 The forms and what each does are written once, in `FORMS` (`tether config --fields` prints
-them for `sync.policy`); `EveryK`, `BoundedK` and `EssTrigger` implement them, each with
+them for `sync.policy`); `EveryK`, `BoundedK`, `EssTrigger` and `ResyncK` implement them, each with
 its rule for the asynchronous loop's publishing (`publishes`).
 """
 
@@ -126,6 +126,31 @@ class EssTrigger:
         return blocked or tripped or self.overdue(behind)
 
 
+@dataclass(frozen=True)
+class ResyncK:
+    """`resync:K`: every step lagged, plus a re-sync to current weights every K steps since the
+    last one: the ESS trigger's re-syncs on a fixed schedule (its control in E-DLC)."""
+
+    k: int = 1
+    measures_ess = False
+
+    @property
+    def spec(self) -> str:
+        return f"resync:{self.k}"
+
+    def routine(self, step: int, trainer_version: int, generator_version: int) -> bool:
+        return True
+
+    def trips(self, ess: float) -> bool:
+        return False
+
+    def overdue(self, steps_since_resync: int) -> bool:
+        return steps_since_resync >= self.k
+
+    def publishes(self, behind: int, blocked: bool, tripped: bool) -> bool:
+        return blocked or self.overdue(behind)
+
+
 # The forms of a policy spec: (syntax, an example or "", what it does). The one statement of
 # the syntax: parse errors list the forms, config's `sync.policy` help is `describe_forms()`.
 FORMS = (
@@ -134,6 +159,8 @@ FORMS = (
     ("ess:TAU[:max=M]", "ess:0.5:max=8",
      ("every step, lagged, plus a re-sync to the current weights when the token ESS of "
       "pi_theta/pi_old on the incoming batch falls below TAU; max=M: also after M steps without one")),
+    ("resync:K", "", ("every step, lagged, plus a re-sync to the current weights after every "
+                      "K steps without one: ess's re-syncs on a fixed schedule")),
     ("auto", "", "the estimator preset's"),
 )
 _FORMS = ", ".join(f"{form} (e.g. {example})" if example else form for form, example, _ in FORMS)
@@ -174,11 +201,12 @@ def parse_sync_policy(spec: str, estimator: str = "grpo") -> SyncPolicy:
     spec = resolve_policy_spec(spec, estimator)
     name, _, rest = spec.partition(":")
     args = rest.split(":") if rest else []
-    if name in ("every", "bounded"):
+    if name in ("every", "bounded", "resync"):
         if len(args) != 1:
             raise ValueError(f"sync policy {spec!r}: expected {name}:K; valid forms: {_FORMS}")
-        return EveryK(_int(spec, args[0], "K", 1)) if name == "every" else \
-            BoundedK(_int(spec, args[0], "K", 0))
+        if name == "bounded":
+            return BoundedK(_int(spec, args[0], "K", 0))
+        return (EveryK if name == "every" else ResyncK)(_int(spec, args[0], "K", 1))
     if name == "ess":
         if not 1 <= len(args) <= 2:
             raise ValueError(f"sync policy {spec!r}: expected ess:TAU[:max=M]; valid forms: {_FORMS}")
