@@ -101,6 +101,13 @@ def test_quick_experiment_tables_resume_and_report(name, tmp_path, warm_model_di
         assert test["cis_over_tis_per_batch"] == tb["bins"][0]["cis_over_tis_per_batch"]
         assert test["passes"] == all(x <= 0.5 for x in [test["cis_over_tis"], *test["cis_over_tis_per_batch"]])
         assert "pooled and in every batch" in md and "| … per batch |" in md
+        # TIS's frontier: a higher cap truncates less, so less bias and a larger second moment.
+        for g in (tb, tb["inj_tail"]):
+            tis = g["frontier"]["tis"]
+            assert [p["cap"] for p in tis] == sorted(p["cap"] for p in tis) and len(tis) >= 5
+            assert all(a["abs_bias"] >= b["abs_bias"] and a["second_moment"] <= b["second_moment"]
+                       for a, b in zip(tis, tis[1:]))
+        assert (out / "report" / "frontier.png").is_file()
 
     for g in json.loads((out / "summary.json").read_text())["groups"]:  # one entry per seed
         assert len(g["ess_below_0.5_per_seed"]) == len(g["leaves_band_per_seed"]) == g["seeds"]

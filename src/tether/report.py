@@ -217,6 +217,36 @@ def bias_figure(tb: dict, path: Path) -> Path | None:
     return path
 
 
+def frontier_figure(tb: dict, path: Path) -> Path | None:
+    """E-CIS: |bias| in the test bin against E[w^2], TIS along its caps, CIS as a point."""
+    gens = [g for g in _measured_generators(tb) if g.get("frontier")]
+    if not gens:
+        return None
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(6.5, 4))
+    for i, g in enumerate(gens):
+        tis, cis, color = g["frontier"]["tis"], g["frontier"]["cis"], COLORS[i % len(COLORS)]
+        name = g.get("scenario", "inj")
+        ax.plot([p["second_moment"] for p in tis], [p["abs_bias"] for p in tis], "o-", color=color,
+                label=f"{name}: tis, cap {tis[0]['cap']:g} ... {tis[-1]['cap']:g}")
+        for p in (tis[0], tis[-1]):
+            ax.annotate(f"{p['cap']:g}", (p["second_moment"], p["abs_bias"]), fontsize=7)
+        ax.plot([cis["second_moment"]], [cis["abs_bias"]], "*", ms=14, color=color, label=f"{name}: cis")
+    ax.set_xlabel("E[w²] over all tokens")
+    ax.set_ylabel("|mean (w − ρ)|, π_old < 0.5")
+    ax.set_xscale("log")
+    ax.set_yscale("symlog", linthresh=1e-4)  # 0 (no truncation) stays on the axis
+    ax.set_ylim(bottom=0)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    ax.set_title(_wrap("Is CIS's point below the bias / second-moment frontier TIS draws "
+                       "as its cap moves?", 70), fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+    return path
+
+
 def make_figures(out: Path, meta: dict, summary: dict, figdir: Path) -> list[tuple[Path, str]]:
     """All figures of the experiment: (path, the question its title states)."""
     figs = []
@@ -263,6 +293,8 @@ def make_figures(out: Path, meta: dict, summary: dict, figdir: Path) -> list[tup
         if summary.get("truncation_bias"):
             q = "How far does each correction's weight fall from the exact IS weight, by confidence?"
             add(bias_figure(summary["truncation_bias"], figdir / "truncation_bias.png"), q)
+            q = "Is CIS's point below the bias / second-moment frontier TIS draws as its cap moves?"
+            add(frontier_figure(summary["truncation_bias"], figdir / "frontier.png"), q)
     if name == "vespo":
         q = "Which objective keeps the trained policy's reward as N grows?"
         add(vespo_figure(groups, figdir / "reward_vs_N.png", summary["trainer_metric"] or "headline",
