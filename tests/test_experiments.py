@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import base64
 import csv
+import itertools
 import json
 import math
 import re
@@ -106,7 +107,7 @@ def test_quick_experiment_tables_resume_and_report(name, tmp_path, warm_model_di
             tis = g["frontier"]["tis"]
             assert [p["cap"] for p in tis] == sorted(p["cap"] for p in tis) and len(tis) >= 5
             assert all(a["abs_bias"] >= b["abs_bias"] and a["second_moment"] <= b["second_moment"]
-                       for a, b in zip(tis, tis[1:]))
+                       for a, b in itertools.pairwise(tis))
         assert (out / "report" / "frontier.png").is_file()
 
     for g in json.loads((out / "summary.json").read_text())["groups"]:  # one entry per seed
@@ -208,10 +209,10 @@ def test_full_matrices_are_the_documented_ones():
                            "train.steps=2", "eval.every=1", "run.checkpoint_every=1")
     assert "rollout.group_size=8" in vespo.base and "task.answer=steps" in vespo.base
     cis = get("cis").build()
-    assert cis.groups() == [("exact", "none"), ("inj", "tis"), ("inj", "cis"), ("inj_tail", "tis"),
-                            ("inj_tail", "cis"), ("inj_lag2", "decoupled"),
+    assert cis.groups() == [("exact", "none"), ("inj", "none"), ("inj", "tis"), ("inj", "cis"),
+                            ("inj_tail", "tis"), ("inj_tail", "cis"), ("inj_lag2", "decoupled"),
                             ("inj_lag2", "decoupled_cis")]
-    assert len(cis.cells) == 5 + 6 * 3  # 5 reference seeds, 3 seeds for the rest
+    assert len(cis.cells) == 5 + 7 * 3  # 5 reference seeds, 3 seeds for the rest
     lagged = [c for c in cis.cells if c.scenario == "inj_lag2"]
     assert all("sync.lag=2" in c.overrides and "rollout.logit_noise=0.12" in c.overrides
                for c in lagged)
