@@ -34,6 +34,14 @@ def _plt():
     return plt
 
 
+def _save(fig, path: Path) -> Path:
+    """Lay out, write and close a figure; its path."""
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    _plt().close(fig)
+    return path
+
+
 def method_colors(name: str, methods: list[str]) -> dict[str, str]:
     """One colour per method, fixed by the experiment's method list, so a method keeps its
     colour in every figure and in every slice of the matrix."""
@@ -119,10 +127,7 @@ def curves_figure(out: Path, meta: dict, key: str, ylabel: str, title: str, path
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
     fig.suptitle(_wrap(title, 40 * min(len(scenarios), 3)), fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=90)
-    plt.close(fig)
-    return path
+    return _save(fig, path)
 
 
 def bars_figure(groups: list[dict], keys: list[tuple[str, str]], xlabel: str, title: str,
@@ -151,10 +156,7 @@ def bars_figure(groups: list[dict], keys: list[tuple[str, str]], xlabel: str, ti
     ax.grid(axis="x", alpha=0.3)
     ax.legend(fontsize=8, loc="best")
     ax.set_title(_wrap(title, 80), fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=90)
-    plt.close(fig)
-    return path
+    return _save(fig, path)
 
 
 def vespo_figure(groups: list[dict], path: Path, metric: str, twins: dict[str, str]) -> Path | None:
@@ -186,10 +188,7 @@ def vespo_figure(groups: list[dict], path: Path, metric: str, twins: dict[str, s
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     ax.set_title("Which objective keeps the trained policy's reward as N grows?", fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=90)
-    plt.close(fig)
-    return path
+    return _save(fig, path)
 
 
 def bias_figure(tb: dict, path: Path) -> Path | None:
@@ -211,10 +210,7 @@ def bias_figure(tb: dict, path: Path) -> Path | None:
     ax.legend(fontsize=8)
     ax.set_title(_wrap("How far does each correction's weight fall from the exact IS weight, "
                        "by token confidence?", 75), fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=90)
-    plt.close(fig)
-    return path
+    return _save(fig, path)
 
 
 def frontier_figure(tb: dict, path: Path) -> Path | None:
@@ -241,10 +237,7 @@ def frontier_figure(tb: dict, path: Path) -> Path | None:
     ax.legend(fontsize=7)
     ax.set_title(_wrap("Is CIS's point below the bias / second-moment frontier TIS draws "
                        "as its cap moves?", 70), fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=90)
-    plt.close(fig)
-    return path
+    return _save(fig, path)
 
 
 def make_figures(out: Path, meta: dict, summary: dict, figdir: Path) -> list[tuple[Path, str]]:
