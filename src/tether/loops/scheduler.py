@@ -192,9 +192,7 @@ class Scheduler:
                "sync/synced": float(due and behind > 0),
                "sync/published_version": float(self.backend.version),
                "sync/published_bytes": float(self.published_bytes),
-               "snapshots/count": float(len(self.snapshots)),
-               "snapshots/bytes": float(self.snapshots.nbytes), "snapshots/freed": float(len(freed)),
-               "snapshots/bytes_per_version": self.snapshots.nbytes / max(len(self.snapshots), 1),
+               **self.snapshots.metrics(freed),
                "async/dropped": float(self.dropped_since_log),
                "async/trained_per_generated": self.trained / max(self.received, 1)}
         self.dropped_since_log, self.published_bytes = 0, 0

@@ -131,6 +131,13 @@ class SnapshotStore:
         return (sum(t.numel() for t in self._flat.values())
                 + sum(d.nbytes for d in self._deltas.values()))
 
+    def metrics(self, freed: list[int]) -> dict[str, float]:
+        """The `snapshots/*` row keys, after a `release` that freed `freed`."""
+        n = self.nbytes
+        return {"snapshots/count": float(len(self)), "snapshots/bytes": float(n),
+                "snapshots/bytes_per_version": n / max(len(self), 1),
+                "snapshots/freed": float(len(freed))}
+
     # -- internals ---------------------------------------------------------------------
 
     def _pack(self, state_dict: dict[str, torch.Tensor]) -> torch.Tensor:

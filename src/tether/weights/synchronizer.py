@@ -77,10 +77,7 @@ class Synchronizer:
         out = {
             "sync/synced": float(self._synced),
             "sync/forced": float(forced),
-            "snapshots/count": float(len(self.snapshots)),
-            "snapshots/bytes": float(self.snapshots.nbytes),
-            "snapshots/bytes_per_version": self.snapshots.nbytes / max(len(self.snapshots), 1),
-            "snapshots/freed": float(len(freed)),
+            **self.snapshots.metrics(freed),
         }
         self._synced = False
         return out
