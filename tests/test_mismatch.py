@@ -221,6 +221,23 @@ def test_injected_logit_noise_moves_mu_seeded_and_only_on_hf():
         load_config(None, ["rollout.logit_noise=0.1", "rollout.engine=vllm"])
 
 
+def test_logit_noise_outliers_move_whole_positions():
+    # An outlier is a position: there every logit's noise is at the outlier scale; elsewhere the
+    # tiny base scale leaves mu = pi_old. Outlier logits (the old unit) would move almost every
+    # position of a 21-token vocabulary: 1 - 0.8^21 = 99%.
+    model = build_tiny_model(21, moe=False, seed=0)
+    sampling = SamplingParams(n=8, max_new_tokens=12, logprobs_topk=21)
+    gen = HFGenerator(model, 1, 0, "fp32", logit_noise=(1e-4, 3, 0.2, 3.0))
+    batch = collate(gen.generate([[2, 3, 4]] * 8, [f"p{i}" for i in range(8)], sampling, seed=3), 0)
+    with torch.no_grad():
+        _, topk_old = token_logprobs(model, batch, sampling)
+    mask = batch.response_mask.bool()
+    gap = (batch.topk_logp_rollout - topk_old).abs().amax(-1)[mask]  # (positions,)
+    moved = gap > 0.05
+    assert 0.1 < float(moved.float().mean()) < 0.3 and mask.sum() > 300
+    assert float(gap[~moved].max()) < 1e-2
+
+
 def test_moe_architecture_knobs_enter_the_cache_key_only_when_set():
     from tether.models import default_model_dir
 

@@ -78,13 +78,12 @@ class RolloutConfig(Node):
         "large: near Gaussian)."
     )
     logit_noise_outliers: float = Field(
-        0.0, ge=0.0, le=1.0, description="Share of logits, the outliers, whose injected noise "
-        "is drawn at rollout.logit_noise_outlier_scale instead (a scale mixture: the far tail of "
-        "rho = pi_old/mu that makes E[rho^2] large, which a Student-t sized to CIS's MAD lacks). "
-        "0: off.",
+        0.0, ge=0.0, le=1.0, description="Share of positions, the outliers, where every logit's "
+        "injected noise is Gaussian at rollout.logit_noise_outlier_scale s instead: E_mu[rho^2] "
+        "about exp(s^2) on those prefixes, the typical token's eps (its q95) left in place. 0: off.",
     )
     logit_noise_outlier_scale: float = Field(
-        3.0, gt=0.0, description="Student-t scale of the outlier logits' injected noise."
+        3.0, gt=0.0, description="Standard deviation of the injected noise at outlier positions."
     )
     prompts_per_step: int = Field(32, ge=1, description="Prompts sampled per step.")
     group_size: int = Field(GROUP_SIZE, ge=1, description="Responses per prompt (the GRPO group, G).")

@@ -8,9 +8,9 @@ then top-k, then top-p, then renormalised (`process_logits`). With `record_route
 (routing replay R3), each rollout also carries the experts the generator's routers chose
 at every position it forwarded (`Rollout.routed_experts`, tether.models.routing).
 With `logit_noise` (`rollout.logit_noise`: injected, not a numerics model), every output
-logit gets Student-t noise before it is processed (`student_t`; a given share of logits,
-the outliers, at a larger scale), so the generator samples from, and reports the log-probs of, a
-heavy-tailed perturbation of the trainer's policy.
+logit gets Student-t noise before it is processed (`student_t`; at a given share of
+positions, the outliers, every logit's noise Gaussian at a larger scale), so the generator samples from,
+and reports the log-probs of, a heavy-tailed perturbation of the trainer's policy.
 """
 
 from __future__ import annotations
@@ -46,8 +46,9 @@ class HFGenerator:
                  router_noise: float = 0.0, record_routes: bool = False,
                  logit_noise: tuple[float, int, float, float] | None = None):
         """`logit_noise` (scale, dof, outlier share, outlier scale): INJECTED Student-t noise
-        on every output logit before sampling (rollout.logit_noise*), at the outlier scale on
-        that share of logits; drawn from its own generator, reseeded per batch."""
+        on every output logit before sampling (rollout.logit_noise*), Gaussian at the outlier
+        scale on that share of positions (rows of a decode step); drawn from its own generator,
+        reseeded per batch."""
         self.model = copy.deepcopy(model).eval()
         self.eos_id, self.pad_id = eos_id, pad_id
         self.precision = precision
@@ -87,8 +88,15 @@ class HFGenerator:
 
             def perturb(logits: torch.Tensor) -> torch.Tensor:  # (rows, V)
                 t = student_t(tuple(logits.shape), dof, self.logit_gen, logits.device)
-                outlier = torch.rand(logits.shape, generator=self.logit_gen, device=logits.device) < share
-                return logits.float() + torch.where(outlier, outlier_scale, scale) * t
+                if share == 0:
+                    return logits.float() + scale * t
+                # A whole position is an outlier, not single logits: E_mu[rho^2] of those few
+                # prefixes grows while the typical token's eps (its q95) does not move. Gaussian
+                # there: a Student-t's exp(s t) has no mean, so one draw would own the average.
+                rows = (logits.shape[0], 1)
+                outlier = torch.rand(rows, generator=self.logit_gen, device=logits.device) < share
+                z = torch.randn(tuple(logits.shape), generator=self.logit_gen, device=logits.device)
+                return logits.float() + torch.where(outlier, outlier_scale * z, scale * t)
         n = sampling.n
         rows = [p for p in prompts for _ in range(n)]  # prompt-major: group members adjacent
         step_versions: list[int] = []  # the version that sampled each decode step's tokens
