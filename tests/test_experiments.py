@@ -13,10 +13,12 @@ import json
 import math
 import re
 
+import numpy as np
 import pytest
 
 from tether.cli import main
-from tether.experiments import analysis, get
+from tether.errors import InputError
+from tether.experiments import analysis, get, select
 from tether.models import ensure_default_model
 
 from .conftest import TEST_CACHE
@@ -82,6 +84,9 @@ def test_quick_experiment_tables_resume_and_report(name, tmp_path, warm_model_di
     assert re.search(r"final trainer-side eval/accuracy(_sampled)? \d", md)
     assert "final generator-side batch reward" in md
 
+    # The claims' and the controls' tables print beside the groups' (their numbers: tests below).
+    for title, _, _ in getattr(get(name), "tables", lambda s: [])(summary_of(out)):
+        assert title in md
     if name == "cis":  # plain IS's exact per-prefix second moment, beside the sampled one
         tb = json.loads((out / "truncation_bias.json").read_text())
         for g in (tb, tb["inj_tail"]):
@@ -145,6 +150,82 @@ def test_cell_stats_by_hand():
     assert s["collapsed"] and s["collapse_step"] == 10  # mean of (0.3,0.2,0.1,0.1,0) = 0.14
 
 
+def summary_of(out) -> dict:
+    return json.loads((out / "summary.json").read_text())
+
+
+def _summary(groups: dict[tuple[str, str], list[float]], ref=("exact", "naive")) -> dict:
+    """A summary holding only what the contrasts read: per-cell last-3 headlines and re-syncs."""
+    cells = {f"{s}__{m}__s{i}": {"scenario": s, "method": m, "last3_trainer": v, "resyncs": i,
+                                 "is_adv_second_moment": 6.0 + i, "corr_adv_second_moment": 1.0}
+             for (s, m), vals in groups.items() for i, v in enumerate(vals)}
+    sigma = float(np.std(groups[ref], ddof=1))
+    return {"cells": cells, "reference": list(ref), "reference_last3_sigma": sigma}
+
+
+def test_contrasts_and_verdicts_read_the_interval():
+    assert analysis.interval_verdict(11, 12, lambda v: v >= 10) == "met"
+    assert analysis.interval_verdict(3, 5, lambda v: v >= 10) == "not met"
+    assert analysis.interval_verdict(9, 11, lambda v: v >= 10) == "unresolved"
+    assert analysis.interval_verdict(float("nan"), 1, lambda v: v >= 10) == "n/a"
+    s = _summary({("exact", "naive"): [0.20, 0.21, 0.19, 0.20, 0.20],
+                  ("lag32", "dlc"): [0.30, 0.31, 0.29], ("lag32", "dlc_schedule"): [0.10, 0.11, 0.09],
+                  ("lag32", "stale_is_ess"): [0.28, 0.33, 0.29]})
+    c = analysis.contrast(s, "lag32", "dlc", "dlc_schedule")
+    # Every resample of a lies in [0.29, 0.31] and of b in [0.09, 0.11]: a - b in [0.18, 0.22].
+    assert c["difference"] == pytest.approx(0.2) and 0.18 <= c["difference_lo"] < c["difference_hi"] <= 0.22
+    assert c["difference_sigma"] == pytest.approx(0.2 / np.std([0.2, 0.21, 0.19, 0.2, 0.2], ddof=1))
+    assert c["verdict"] == "dlc higher"
+    assert analysis.contrast(s, "lag32", "dlc", "stale_is_ess")["verdict"] == "not resolved at 3 seeds"
+    assert analysis.contrast(s, "lag32", "dlc", "reweight") is None
+    rows = get("dlc").contrasts(s)  # only the pairs whose both groups ran
+    assert [(r["a"], r["b"]) for r in rows] == [("dlc", "dlc_schedule"), ("dlc", "stale_is_ess")]
+    assert rows[0]["resyncs"] == "1.0 vs 1.0"
+
+
+def test_dlc_claims_verdicts_from_their_bars():
+    def group(method, dev, ratio, ess, leaves, scen="lag32"):
+        return {"scenario": scen, "method": method, "last3_dev_sigma": sum(dev) / 2, "last3_dev_sigma_lo": dev[0],
+                "last3_dev_sigma_hi": dev[1], "last3_ratio": sum(ratio) / 2, "last3_ratio_lo": ratio[0],
+                "last3_ratio_hi": ratio[1], "ess_below_0.5_per_seed": ess, "leaves_band_per_seed": leaves,
+                "collapsed_trainer": 0}
+    rows = get("dlc").claims({"groups": [
+        group("reweight_uncapped", (12, 15), (0.2, 0.3), [5, 5, 6], [20, 25, 5]),
+        group("reweight", (3, 5), (0.7, 0.8), [5, 5, 5], [None, None, None]),
+        group("dlc", (0.1, 1.5), (0.9, 1.0), [5, 6, 7], [None, None, None]),
+        group("dlc", (0.5, 2.5), (0.8, 1.0), [5, 6, 7], [None, None, None], scen="fp8_lag32"),
+        group("naive", (8, 9), (0.4, 0.5), [5, 5, 5], [20, 25, 30], scen="exact")]})
+    got = {(r["claim"], r["group"]): r["verdict"] for r in rows}
+    assert got == {("plain reweighting drifts far", "lag32 x reweight_uncapped"): "met",
+                   ("ESS < 0.5 marks the onset", "lag32 x reweight_uncapped"): "not met",  # 2 of 3
+                   ("plain reweighting drifts far", "lag32 x reweight"): "not met",
+                   ("dlc stays near on-policy", "lag32 x dlc"): "met",
+                   ("dlc stays near on-policy", "fp8_lag32 x dlc"): "unresolved"}
+
+
+def test_cis_accuracy_and_second_moment_verdicts():
+    s = _summary(ref=("exact", "none"), groups={("exact", "none"): [0.20, 0.21, 0.19, 0.20, 0.20],
+                  ("inj", "tis"): [0.20, 0.21, 0.19], ("inj", "cis"): [0.10, 0.11, 0.09],
+                  ("inj", "none"): [0.20, 0.20, 0.21]})
+    s["groups"] = [{"scenario": sc, "method": m, "is_adv_second_moment": 7.0, "corr_adv_second_moment": 1.0}
+                   for sc, m in (("exact", "none"), ("inj", "tis"), ("inj", "cis"), ("inj", "none"))]
+    # TIS's curve: (E[w^2], |bias|) = (1.0, 0.02), (1.1, 0.01), (1.3, 0.0); at E[w^2] = 1.05 it
+    # is at 0.015, so CIS at 0.01 lies below it, and at 0.02 above it.
+    tis = [{"cap": c, "second_moment": m, "abs_bias": b} for c, m, b in ((1.5, 1.0, 0.02), (2, 1.1, 0.01), (5, 1.3, 0.0))]
+    s["truncation_bias"] = {"scenario": "inj", "frontier": {"tis": tis, "cis": {"second_moment": 1.05, "abs_bias": 0.01}},
+                            "inj_tail": {"scenario": "inj_tail", "frontier": {
+                                "tis": tis, "cis": {"second_moment": 1.05, "abs_bias": 0.02}}}}
+    accuracy, moments, fronts = (rows for _, rows, _ in get("cis").tables(s))
+    assert [(f["scenario"], f["tis_bias"], f["verdict"]) for f in fronts] == [
+        ("inj", pytest.approx(0.015), "below TIS's frontier"), ("inj_tail", pytest.approx(0.015), "on or above it")]
+    acc = {(r["a"], r["b"]): r for r in accuracy}
+    assert acc[("cis", "tis")]["verdict"] == "not met"  # 0.1 below tis: about 14 sigma
+    assert acc[("cis", "none")]["bar"].startswith("none") and ("tis", "none") in acc
+    # every run's raw >= 5 (6, 7, 8) and the applied 1.0 <= 1.5; the uncorrected row has no bar
+    assert [(m["group"], m["reach"], m["verdict"]) for m in moments] == [
+        ("inj x tis", "3 of 3", "met"), ("inj x cis", "3 of 3", "met"), ("inj x none", "3 of 3", "n/a (uncorrected)")]
+
+
 def test_trainer_headline_prefers_sampled_accuracy():
     # Greedy accuracy every eval; the sampled accuracy and reward only where eval.samples > 0.
     greedy = [{"step": 0, "eval/accuracy": 0.5}, {"step": 1, "reward/mean": 0.9},
@@ -192,7 +273,13 @@ def test_only_rejects_unknown_groups(tmp_path, capsys):
 
 def test_full_matrices_are_the_documented_ones():
     dlc = get("dlc").build()
-    assert len(dlc.groups()) == 24 and len(dlc.cells) == 74  # duplicates skipped, 3 seeds (ref 5)
+    assert len(dlc.groups()) == 21 and len(dlc.cells) == 65  # duplicates skipped, 3 seeds (ref 5)
+    # Cut to fit the hour, still runnable by name.
+    assert {(c.scenario, c.method) for c in dlc.extra} == {("fp8", "dlc"), ("lag32", "dlc_clip"),
+                                                            ("fp8_async32", "dlc_window")}
+    assert len(select(dlc, ["lag32:dlc_clip"])) == 5 + 3
+    with pytest.raises(InputError, match="fp8_async32:dlc_window"):  # the cut groups are listed too
+        select(dlc, ["lag32:nope"])
     controls = {m for s, m in dlc.groups() if s == "lag32"} - {m for s, m in dlc.groups() if s == "fp8_lag32"}
     assert {"reweight_cap5", "reweight_uncapped", "dlc_schedule", "stale_is_ess"} <= controls
     assert sum(c.scenario == "exact" and c.method == "naive" for c in dlc.cells) == 5
@@ -213,6 +300,8 @@ def test_full_matrices_are_the_documented_ones():
                             ("inj_tail", "tis"), ("inj_tail", "cis"), ("inj_lag2", "decoupled"),
                             ("inj_lag2", "decoupled_cis")]
     assert len(cis.cells) == 5 + 7 * 3  # 5 reference seeds, 3 seeds for the rest
+    tail = [c for c in cis.cells if c.scenario == "inj_tail"]
+    assert all("rollout.logit_noise_outliers=0.02" in c.overrides for c in tail)
     lagged = [c for c in cis.cells if c.scenario == "inj_lag2"]
     assert all("sync.lag=2" in c.overrides and "rollout.logit_noise=0.12" in c.overrides
                for c in lagged)

@@ -178,22 +178,25 @@ def _cmd_probe(args: argparse.Namespace) -> int:
 EXPERIMENT_HELP = """\
 Run one of the papers' experiments on the embedded testbed (DESIGN.md section 7):
   dlc    dense model, lr 2e-4: generator {exact, fp8, lag 32, fp8 + lag 32} x {naive,
-         reweight, tis, tis + ESS re-sync, dlc without re-sync, dlc, dlc under a PPO clip},
-         and fp8 in the async loop (eta 32) x {naive, dlc, dlc with the ESS window under
-         each after_trip rule}, x 3 seeds (identical cells skipped; the reference exact x
-         naive: 5 seeds)
+         reweight, tis, tis + ESS re-sync, dlc without re-sync, dlc}, the controls under
+         lag 32 (reweight capped at 5 and uncapped, dlc re-synced on a matched schedule,
+         staleness IS + ESS re-sync without centering) and fp8 in the async loop (eta 32) x
+         {naive, dlc, dlc with the ESS window}, x 3 seeds (identical cells skipped; the
+         reference exact x naive: 5 seeds)
   cis    MoE model: generator {inj (bf16 + router noise + INJECTED heavy-tailed logit noise,
-         sized to CIS's Appendix A), inj + outliers} x {tis, cis}; CIS's recipe (inj, 2
-         versions stale) x {decoupled, decoupled_cis}; 3 seeds; fp32 reference x 5 seeds
+         sized to CIS's Appendix A) x {none, tis, cis}, inj + outlier positions x {tis,
+         cis}}; CIS's recipe (inj, 2 versions stale) x {decoupled, decoupled_cis}; 3 seeds;
+         fp32 reference x 5 seeds
   vespo  staleness N = 64 (a rollout batch of 64 optimizer mini-batches of 16 x 8; 128
          optimizer steps) x {grpo, gspo, sapo, vespo, vespo /T, vespo /sqrtT} x 3 seeds,
          against N = 1 (grpo x 5 seeds, sapo x 3: on-policy the six are two gradients);
          Countdown answers written as steps (4 numbers), dense model
-Default matrix, measured with --workers 2 on this project's 2-core machine, nothing else
-running (RESULTS.md): dlc 65 cells in 51 min, cis 23 cells in 51 min (its warm start
-included), vespo 26 cells in 50 min. An empty model cache first builds the warm start (dlc
-900 steps, vespo 1200 steps of the steps task, cis the MoE's 200: 9, 20 and 3 min when
-measured on one thread; the build now uses every core).
+Groups cut from dlc's default matrix to fit the hour still run when --only names them
+(fp8:dlc, lag32:dlc_clip, fp8_async32:dlc_window). Default matrix, measured with --workers 2 on
+this project's 2-core machine, nothing else running (RESULTS.md): dlc about 62.5 min for
+its 65 cells (projected from a timed 74-cell run of 71 min), cis 32 min for 26 cells,
+vespo 26 cells in 50 min. An empty model cache first builds the warm start (dlc 900 steps,
+vespo 1200 steps of the steps task, cis the MoE's 200: about 5, 10 and 2.5 min on 2 cores).
 Each cell is one training run in OUT/cells/<scenario>__<method>__s<seed>, run in parallel
 worker processes (one torch thread each). Rerunning the same command skips finished cells
 and resumes interrupted ones. Ctrl-C or SIGTERM ends every running cell with the processes
@@ -327,8 +330,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="Start every cell from this model directory instead of the default "
                    "tiny model (built and cached on first use).")
     p.add_argument("--only", metavar="S:M,...",
-                   help="Run only these scenario:method groups, e.g. fp8_lag8:naive,fp8_lag8:dlc "
-                   "(the on-policy reference group is always included).")
+                   help="Run only these scenario:method groups, e.g. lag32:naive,lag32:dlc "
+                   "(the on-policy reference group is always included); it may name groups cut "
+                   "from the default matrix, e.g. lag32:dlc_clip. Into an existing --out, the "
+                   "slice adds to what is there.")
     p.add_argument("--set", nargs="+", default=[], metavar="KEY=VALUE",
                    help="Change the settings every cell shares, e.g. --set train.lr=2e-4 "
                    "train.steps=60 (as `tether train` overrides; each cell's scenario and method "

@@ -391,6 +391,9 @@ def build_report(out: str | Path, command: str | None = None) -> tuple[Path, Pat
            *[f"- {n}" for n in meta["notes"]], "", ref_line, "",
            f"Runs: {run_line or 'none recorded'}. Failed cells: {len(failed)}.", "",
            analysis.markdown_table(groups, module.COLUMNS), ""]
+    extra = module.tables(summary) if hasattr(module, "tables") else []  # claims, controls
+    for title, rows, columns in extra:
+        md += [title, "", analysis.markdown_table(rows, columns), ""]
     tb = summary.get("truncation_bias")
     for g in _measured_generators(tb):
         caption = (f"Truncation bias by confidence bin (starting model, generator "
@@ -415,6 +418,8 @@ def build_report(out: str | Path, command: str | None = None) -> tuple[Path, Pat
               f"<p>{html.escape(ref_line)}</p>",
               f"<p>Runs: {html.escape(run_line or 'none recorded')}. Failed cells: {len(failed)}.</p>",
               _html_table(groups, module.COLUMNS)]
+    for title, rows, columns in extra:
+        parts += [f"<p>{html.escape(title)}</p>", _html_table(rows, columns)]
     for g in _measured_generators(tb):
         caption = (f"Truncation bias by confidence bin (generator {html.escape(g.get('generator', ''))}; "
                    f"{html.escape(g['definition'])}):")

@@ -25,13 +25,27 @@ def get(name: str):
     return EXPERIMENTS[name]
 
 
+def select(exp: Experiment, only: list[str]) -> list[Cell]:
+    """The cells of the groups `only` names ("scenario:method"), and the reference's, from the
+    default matrix and the groups cut from it (`exp.extra`); InputError names an unknown one."""
+    keep = {tuple(g.split(":", 1)) for g in only} | {tuple(exp.reference)}
+    pool = exp.cells + exp.extra
+    valid = list(dict.fromkeys((c.scenario, c.method) for c in pool))
+    unknown = keep - set(valid)
+    if unknown:
+        raise InputError(f"--only: unknown group(s) {sorted(':'.join(g) for g in unknown)}; "
+                         f"valid: {', '.join(':'.join(g) for g in valid)}")
+    return [c for c in pool if (c.scenario, c.method) in keep]
+
+
 def run(name: str, out: str | Path | None = None, quick: bool = False, seeds: int | None = None,
         workers: int = 2, model_path: str | None = None, only: list[str] | None = None,
         overrides: list[str] | None = None, log=print) -> dict:
     """Run (or resume) experiment `name` into `out` and summarise it; returns the summary.
 
-    `only`: keep just these groups, each "scenario:method" (e.g. a reduced slice); the
-    reference group is always kept, since every deviation is measured against it.
+    `only`: keep just these groups, each "scenario:method" (e.g. a reduced slice, or groups
+    cut from the default matrix: `exp.extra`); the reference group is always kept, since every
+    deviation is measured against it.
     `overrides`: `key=value` settings appended to the shared base (checked here, so a bad
     key fails before any cell runs); each cell's own keys still apply after them.
     """
@@ -43,12 +57,7 @@ def run(name: str, out: str | Path | None = None, quick: bool = False, seeds: in
         exp.base = exp.base + list(overrides)
         load_config(None, exp.base)  # ConfigError names the bad key
     if only:
-        keep = {tuple(g.split(":", 1)) for g in only} | {tuple(exp.reference)}
-        unknown = keep - set(exp.groups())
-        if unknown:
-            raise InputError(f"--only: unknown group(s) {sorted(':'.join(g) for g in unknown)}; "
-                             f"valid: {', '.join(':'.join(g) for g in exp.groups())}")
-        exp.cells = [c for c in exp.cells if (c.scenario, c.method) in keep]
+        exp.cells = select(exp, only)
     out = Path(out or f"runs/experiments/{name}{'-quick' if quick else ''}")
     timing = run_experiment(exp, out, workers=workers, model_path=model_path, log=log)
     summary = analysis.summarize(out, extend=getattr(module, "extend", None))
@@ -59,4 +68,4 @@ def run(name: str, out: str | Path | None = None, quick: bool = False, seeds: in
     return summary
 
 
-__all__ = ["EXPERIMENTS", "Cell", "Experiment", "get", "run", "run_experiment"]
+__all__ = ["EXPERIMENTS", "Cell", "Experiment", "get", "run", "run_experiment", "select"]

@@ -9,8 +9,11 @@ E-CIS, measured): bf16 gives MAD 0.01; router noise 0.3 gives MAD 0.10-0.14 but 
 confident tokens; 8 or 16 experts with a load-balancing loss in the warm start do not
 change that; none of them lifts the raw second moment above 1.05. So the calibrated
 generator `inj` is bf16 + router noise 0.1 + INJECTED Student-t noise on every output logit
-(`rollout.logit_noise`, LOGIT_NOISE below): MAD, q95 and flatness within the bars, and a
-heavy tail. Injected: a stand-in for a large MoE's engine, not a model of one.
+(`rollout.logit_noise`, LOGIT_NOISE below): MAD, q95 and flatness within the bars.
+Injected: a stand-in for a large MoE's engine, not a model of one. `inj` has no tail (exact E_mu[rho^2] about 1.02); `inj_tail` adds outlier POSITIONS: at a small share
+of decode steps every logit's noise is drawn at a larger scale (OUTLIERS). Outlier logits
+(the earlier `inj_tail`, 10% of logits at scale 3) moved eps's q95 4-8x; whole positions
+leave the typical token's eps in place while a few prefixes carry a large E_mu[rho^2].
 
 Matrix: the on-policy reference (fp32 generator, grpo; REFERENCE_SEEDS seeds, for sigma),
 `inj` x {none, tis, cis} and `inj_tail` x {tis, cis}, and CIS's recipe
@@ -34,8 +37,8 @@ starting model for the bias, not every step. Cut to fit the hour once measured (
 cell costs about 2.3x an exact one: the bf16 noisy generator and the extra pi_old forward):
 inj x mis (= icepop; tis stands for the truncation family); the bias table still reports it
 at the starting model. inj x none (uncorrected grpo), cut then too, is back: without it the
-paper's comparison, corrected against uncorrected accuracy, is not shown (26 cells, not yet
-timed).
+paper's comparison, corrected against uncorrected accuracy, is not shown. 26 cells
+(timed: RESULTS.md).
 """
 
 from __future__ import annotations
@@ -44,8 +47,10 @@ import itertools
 import json
 from pathlib import Path
 
+import numpy as np
 import torch
 
+from tether.experiments import analysis
 from tether.experiments.runner import EVAL_SEED, Cell, Experiment
 
 QUESTION = ("With a generator whose mismatch is CIS Appendix A's size, does CIS bound the "
@@ -59,7 +64,7 @@ METHODS = {"none": ["train.estimator=grpo"], "tis": ["train.estimator=tis"],
            "decoupled_cis": ["train.estimator=decoupled_cis"]}
 ROUTER_NOISE = 0.1
 LOGIT_NOISE = (0.12, 3)  # (scale, Student-t dof) of the injected logit noise; docs/experiments.md
-OUTLIERS = (0.1, 3.0)  # inj_tail: (share of logits, Student-t scale) of the outlier component
+OUTLIERS = (0.02, 3.0)  # inj_tail: (share of positions, Gaussian scale there); docs/experiments.md
 LAG = 2  # CIS's recipe: AReaL with max_head_offpolicyness 2
 INJECTED = ["rollout.precision=bf16", f"rollout.router_noise={ROUTER_NOISE}",
             f"rollout.logit_noise={LOGIT_NOISE[0]}", f"rollout.logit_noise_dof={LOGIT_NOISE[1]}"]
@@ -102,9 +107,9 @@ def build(quick: bool = False, seeds: int | None = None) -> Experiment:
              (f"inj: bf16 + router noise {ROUTER_NOISE} + INJECTED Student-t logit noise "
               f"(scale {LOGIT_NOISE[0]}, dof {LOGIT_NOISE[1]}; rollout.logit_noise): a stand-in "
               "for a large MoE's mismatch, sized to CIS Appendix A's eps"),
-             (f"inj_tail: inj with {OUTLIERS[0]:g} of logits' noise at scale {OUTLIERS[1]:g} "
-              "(rollout.logit_noise_outliers): the heavy tail behind a large raw E[rho^2 A^2], "
-              "at the cost of an eps q95 several times Appendix A's"),
+             (f"inj_tail: inj with every logit's noise at scale {OUTLIERS[1]:g} on {OUTLIERS[0]:g} of "
+              "positions (rollout.logit_noise_outliers): a heavy tail of E_mu[rho^2] on a few "
+              "prefixes, the typical token's eps left in place"),
              (f"{lagged}: the inj generator {LAG} versions stale (sync.lag={LAG}); decoupled: "
               "AReaL's decoupled PPO (pi_prox/mu capped at 5); decoupled_cis: CIS's recipe "
               "(that weight under CIS's cap)"),
@@ -115,12 +120,77 @@ def build(quick: bool = False, seeds: int | None = None) -> Experiment:
 
 
 COLUMNS = [("scenario", "generator"), ("method", "method"), ("seeds", "seeds"),
-           ("final_trainer", "final trainer-side"), ("trainer_dev_sigma", "trainer-side dev (σ)"),
-           ("final_accuracy", "final acc (greedy)"),
+           ("last3_trainer", "last-3 trainer-side"), ("last3_dev_sigma", "last-3 dev (σ) [95%]"),
+           ("last3_ratio", "× reference [95%]"), ("collapsed_trainer", "collapsed seeds"),
+           ("final_trainer", "final trainer-side"), ("final_accuracy", "final acc (greedy)"),
            ("final_reward", "final batch reward (generator-side)"),
            ("is_second_moment", "E[ρ²] raw"),
            ("is_adv_second_moment", "E[ρ²A²]/E[A²] raw"), ("corr_second_moment", "E[w²] applied"),
            ("corr_adv_second_moment", "E[w²A²]/E[A²] applied"), ("numerical_k3", "numerical k3")]
+
+
+# The paper's accuracy claim (DESIGN.md section 7): its gains are below this testbed's seed
+# noise, so the bar is only that a CIS variant is not worse than its TIS counterpart by more
+# than ACCURACY_SIGMA reference sigmas, read from the interval of a - b (last-3 means).
+ACCURACY_SIGMA = 1.0
+ACCURACY_PAIRS = (("inj", "cis", "tis"), ("inj_tail", "cis", "tis"), (f"inj_lag{LAG}", "decoupled_cis", "decoupled"))
+CORRECTED_PAIRS = (("inj", "tis", "none"), ("inj", "cis", "none"))  # the paper's against uncorrected
+RAW_BAR, APPLIED_BAR = 5.0, 1.5  # raw E[rho^2 A^2]/E[A^2] >= 5, brought to <= 1.5 by the correction
+
+
+def tables(summary: dict) -> list[tuple[str, list[dict], list[tuple[str, str]]]]:
+    """The report's tables beside the groups': accuracy contrasts with their verdicts, and the
+    second moment per group (runs whose raw value reaches RAW_BAR; the applied one's bar)."""
+    sigma, rows = summary["reference_last3_sigma"], []
+    for scen, a, b in ACCURACY_PAIRS + CORRECTED_PAIRS:
+        row = analysis.contrast(summary, scen, a, b)
+        if row is None:
+            continue
+        if (scen, a, b) in ACCURACY_PAIRS:
+            row["bar"] = f"a ≥ b − {ACCURACY_SIGMA:g} σ"
+            row["verdict"] = analysis.interval_verdict(row["difference_lo"], row["difference_hi"],
+                                                       lambda d: d >= -ACCURACY_SIGMA * sigma)
+        else:
+            row["bar"] = "none (the paper's gains are below seed noise)"
+        rows.append(row)
+    moments = []
+    for g in summary["groups"]:
+        runs = [c["is_adv_second_moment"] for c in summary["cells"].values()
+                if (c["scenario"], c["method"]) == (g["scenario"], g["method"])]
+        if g["method"] == "none" and g["scenario"] == summary["reference"][0]:
+            continue
+        moments.append({"group": f"{g['scenario']} x {g['method']}", "raw": g["is_adv_second_moment"],
+                        "raw_runs": runs, "reach": f"{sum(r >= RAW_BAR for r in runs)} of {len(runs)}",
+                        "applied": g["corr_adv_second_moment"],
+                        "verdict": ("n/a (uncorrected)" if g["method"] == "none" else
+                                    "met" if all(r >= RAW_BAR for r in runs)
+                                    and g["corr_adv_second_moment"] <= APPLIED_BAR else "not met")})
+    tb = summary.get("truncation_bias")
+    fronts = [frontier_verdict(g) for g in ([tb, *(v for v in tb.values() if isinstance(v, dict) and "frontier" in v)]
+                                           if tb else []) if g.get("frontier")]
+    return [("Accuracy, a − b of the last-3 trainer-side means with its 95% interval over seeds:", rows,
+             [("scenario", "generator"), ("a", "a"), ("b", "b"), ("difference", "a − b [95%]"),
+              ("difference_sigma", "a − b (σ)"), ("bar", "bar"), ("verdict", "verdict")]),
+            (f"Second moment E[ρ²A²]/E[A²] per group (bar: raw ≥ {RAW_BAR:g} in every run, applied "
+             f"≤ {APPLIED_BAR:g}):", moments,
+             [("group", "group"), ("raw", "raw (mean)"), ("raw_runs", "raw per run"),
+              ("reach", f"runs ≥ {RAW_BAR:g}"), ("applied", "applied"), ("verdict", "verdict")]),
+            ("The frontier: CIS's |bias| in the test bin against TIS's at the same E[w²], TIS's "
+             "curve over its caps interpolated there:", fronts,
+             [("scenario", "generator"), ("second_moment", "CIS's E[w²]"), ("cis_bias", "CIS bias (abs)"),
+              ("tis_bias", "TIS bias (abs) at that E[w²]"), ("verdict", "verdict")])]
+
+
+def frontier_verdict(g: dict) -> dict:
+    """Is CIS's (E[w^2], |bias|) point below the curve TIS draws over its caps? TIS's |bias| is
+    interpolated linearly in E[w^2] between the caps around CIS's (clamped at the ends)."""
+    tis = sorted(g["frontier"]["tis"], key=lambda p: p["second_moment"])
+    cis_point = g["frontier"]["cis"]
+    at = float(np.interp(cis_point["second_moment"], [p["second_moment"] for p in tis],
+                         [p["abs_bias"] for p in tis]))
+    return {"scenario": g["scenario"], "second_moment": cis_point["second_moment"],
+            "cis_bias": cis_point["abs_bias"], "tis_bias": at,
+            "verdict": "below TIS's frontier" if cis_point["abs_bias"] < at else "on or above it"}
 
 
 def _bias_rows(rho: torch.Tensor, p_old: torch.Tensor, mask: torch.Tensor,
@@ -247,7 +317,7 @@ def measure_generator(meta: dict, scenario: str, seed: int) -> dict:
                 "cis": point(weights["cis"])}
     rho_v, exact_v = rho[mask], exact[mask]
     noise = (f" + INJECTED Student-t logit noise (scale {r.logit_noise:g}, dof {r.logit_noise_dof}"
-             + (f"; {r.logit_noise_outliers:g} of logits at scale {r.logit_noise_outlier_scale:g}"
+             + (f"; {r.logit_noise_outliers:g} of positions at scale {r.logit_noise_outlier_scale:g}"
                 if r.logit_noise_outliers else "") + ")")
     return {"scenario": scenario, "bins": bins, "tokens": int(mask.sum()),
             "prompts": prompts * BIAS_CHUNKS, "samples": r.group_size,

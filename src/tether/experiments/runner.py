@@ -65,6 +65,8 @@ class Experiment:
     cells: list[Cell]
     reference: tuple[str, str]  # (scenario, method) of the on-policy runs
     notes: list[str] = field(default_factory=list)  # departures from the paper, stated
+    # Groups cut from the default matrix to fit the hour, kept runnable: `--only` may name them.
+    extra: list[Cell] = field(default_factory=list)
 
     def groups(self) -> list[tuple[str, str]]:
         seen: dict[tuple[str, str], None] = {}
