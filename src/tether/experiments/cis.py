@@ -171,12 +171,12 @@ def tables(summary: dict) -> list[tuple[str, list[dict], list[tuple[str, str]]]]
     return [("Accuracy, a − b of the last-3 trainer-side means with its 95% interval over seeds:", rows,
              [("scenario", "generator"), ("a", "a"), ("b", "b"), ("difference", "a − b [95%]"),
               ("difference_sigma", "a − b (σ)"), ("bar", "bar"), ("verdict", "verdict")]),
-            (f"Second moment E[ρ²A²]/E[A²] per group (bar: raw ≥ {RAW_BAR:g} in every run, applied "
-             f"≤ {APPLIED_BAR:g}):", moments,
+            ((f"Second moment E[ρ²A²]/E[A²] per group (bar: raw ≥ {RAW_BAR:g} in every run, applied "
+              f"≤ {APPLIED_BAR:g}):"), moments,
              [("group", "group"), ("raw", "raw (mean)"), ("raw_runs", "raw per run"),
               ("reach", f"runs ≥ {RAW_BAR:g}"), ("applied", "applied"), ("verdict", "verdict")]),
-            ("The frontier: CIS's |bias| in the test bin against TIS's at the same E[w²], TIS's "
-             "curve over its caps interpolated there:", fronts,
+            (("The frontier: CIS's |bias| in the test bin against TIS's at the same E[w²], TIS's "
+              "curve over its caps interpolated there:"), fronts,
              [("scenario", "generator"), ("second_moment", "CIS's E[w²]"), ("cis_bias", "CIS bias (abs)"),
               ("tis_bias", "TIS bias (abs) at that E[w²]"), ("verdict", "verdict")])]
 
