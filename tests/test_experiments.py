@@ -18,7 +18,7 @@ import pytest
 
 from tether.cli import main
 from tether.errors import InputError
-from tether.experiments import analysis, get, select
+from tether.experiments import analysis, get, select, verdicts
 from tether.models import ensure_default_model
 
 from .conftest import TEST_CACHE
@@ -164,20 +164,20 @@ def _summary(groups: dict[tuple[str, str], list[float]], ref=("exact", "naive"))
 
 
 def test_contrasts_and_verdicts_read_the_interval():
-    assert analysis.interval_verdict(11, 12, lambda v: v >= 10) == "met"
-    assert analysis.interval_verdict(3, 5, lambda v: v >= 10) == "not met"
-    assert analysis.interval_verdict(9, 11, lambda v: v >= 10) == "unresolved"
-    assert analysis.interval_verdict(float("nan"), 1, lambda v: v >= 10) == "n/a"
+    assert verdicts.interval_verdict(11, 12, lambda v: v >= 10) == "met"
+    assert verdicts.interval_verdict(3, 5, lambda v: v >= 10) == "not met"
+    assert verdicts.interval_verdict(9, 11, lambda v: v >= 10) == "unresolved"
+    assert verdicts.interval_verdict(float("nan"), 1, lambda v: v >= 10) == "n/a"
     s = _summary({("exact", "naive"): [0.20, 0.21, 0.19, 0.20, 0.20],
                   ("lag32", "dlc"): [0.30, 0.31, 0.29], ("lag32", "dlc_schedule"): [0.10, 0.11, 0.09],
                   ("lag32", "stale_is_ess"): [0.28, 0.33, 0.29]})
-    c = analysis.contrast(s, "lag32", "dlc", "dlc_schedule")
+    c = verdicts.contrast(s, "lag32", "dlc", "dlc_schedule")
     # Every resample of a lies in [0.29, 0.31] and of b in [0.09, 0.11]: a - b in [0.18, 0.22].
     assert c["difference"] == pytest.approx(0.2) and 0.18 <= c["difference_lo"] < c["difference_hi"] <= 0.22
     assert c["difference_sigma"] == pytest.approx(0.2 / np.std([0.2, 0.21, 0.19, 0.2, 0.2], ddof=1))
     assert c["verdict"] == "dlc higher"
-    assert analysis.contrast(s, "lag32", "dlc", "stale_is_ess")["verdict"] == "not resolved at 3 seeds"
-    assert analysis.contrast(s, "lag32", "dlc", "reweight") is None
+    assert verdicts.contrast(s, "lag32", "dlc", "stale_is_ess")["verdict"] == "not resolved at 3 seeds"
+    assert verdicts.contrast(s, "lag32", "dlc", "reweight") is None
     rows = get("dlc").contrasts(s)  # only the pairs whose both groups ran
     assert [(r["a"], r["b"]) for r in rows] == [("dlc", "dlc_schedule"), ("dlc", "stale_is_ess")]
     assert rows[0]["resyncs"] == "1.0 vs 1.0"
@@ -213,7 +213,7 @@ def test_cis_accuracy_and_second_moment_verdicts():
     # is at 0.015, so CIS at 0.01 lies below it, and at 0.02 above it.
     tis = [{"cap": c, "second_moment": m, "abs_bias": b} for c, m, b in ((1.5, 1.0, 0.02), (2, 1.1, 0.01), (5, 1.3, 0.0))]
     s["truncation_bias"] = {"scenario": "inj", "frontier": {"tis": tis, "cis": {"second_moment": 1.05, "abs_bias": 0.01}},
-                            "inj_tail": {"scenario": "inj_tail", "frontier": {
+                            "inj_tail": {"scenario": "inj_tail", "bins": [], "frontier": {
                                 "tis": tis, "cis": {"second_moment": 1.05, "abs_bias": 0.02}}}}
     accuracy, moments, fronts = (rows for _, rows, _ in get("cis").tables(s))
     assert [(f["scenario"], f["tis_bias"], f["verdict"]) for f in fronts] == [

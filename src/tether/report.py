@@ -20,6 +20,7 @@ import numpy as np
 
 from tether.errors import InputError
 from tether.experiments import analysis, get
+from tether.experiments.cis import measured_generators
 from tether.models import quiet_transformers
 
 COLORS = ["#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#8c564b", "#e377c2", "#17becf"]
@@ -215,7 +216,7 @@ def bias_figure(tb: dict, path: Path) -> Path | None:
 
 def frontier_figure(tb: dict, path: Path) -> Path | None:
     """E-CIS: |bias| in the test bin against E[w^2], TIS along its caps, CIS as a point."""
-    gens = [g for g in _measured_generators(tb) if g.get("frontier")]
+    gens = [g for g in measured_generators(tb) if g.get("frontier")]
     if not gens:
         return None
     plt = _plt()
@@ -320,13 +321,6 @@ EPSILON_COLUMNS = [("lo", "μ from"), ("hi", "μ to"), ("tokens", "tokens"), ("m
                    ("q05", "q05"), ("q95", "q95")]
 
 
-def _measured_generators(tb: dict | None) -> list[dict]:
-    """E-CIS: the generators `truncation_bias` measured (the top level, then nested ones)."""
-    if not tb:
-        return []
-    return [tb] + [v for v in tb.values() if isinstance(v, dict) and "bins" in v]
-
-
 def _bias_test_line(test: dict) -> str:
     per = ", ".join(analysis.fmt(x) for x in test.get("cis_over_tis_per_batch", []))
     return (f"Test bin π_old {test['bin']}: |bias_cis| / |bias_tis| = {analysis.fmt(test['cis_over_tis'])} "
@@ -395,7 +389,7 @@ def build_report(out: str | Path, command: str | None = None) -> tuple[Path, Pat
     for title, rows, columns in extra:
         md += [title, "", analysis.markdown_table(rows, columns), ""]
     tb = summary.get("truncation_bias")
-    for g in _measured_generators(tb):
+    for g in measured_generators(tb):
         caption = (f"Truncation bias by confidence bin (starting model, generator "
                    f"{g.get('generator', 'bf16')}; {g['definition']}):")
         md += [caption, "", analysis.markdown_table(g["bins"], _bias_columns(g)), ""]
@@ -420,7 +414,7 @@ def build_report(out: str | Path, command: str | None = None) -> tuple[Path, Pat
               _html_table(groups, module.COLUMNS)]
     for title, rows, columns in extra:
         parts += [f"<p>{html.escape(title)}</p>", _html_table(rows, columns)]
-    for g in _measured_generators(tb):
+    for g in measured_generators(tb):
         caption = (f"Truncation bias by confidence bin (generator {html.escape(g.get('generator', ''))}; "
                    f"{html.escape(g['definition'])}):")
         parts += [f"<p>{caption}</p>", _html_table(g["bins"], _bias_columns(g))]

@@ -287,29 +287,6 @@ def bootstrap_ci(group: list[float], reference: list[float],
     return float(lo), float(hi)
 
 
-def interval_verdict(lo: float, hi: float, holds: Callable[[float], bool]) -> str:
-    """A bar read from a 95% interval: 'met' when all of it holds, 'not met' when none does."""
-    if not (math.isfinite(lo) and math.isfinite(hi)):
-        return "n/a"
-    return "met" if holds(lo) and holds(hi) else "not met" if not (holds(lo) or holds(hi)) else "unresolved"
-
-
-def contrast(summary: dict, scenario: str, a: str, b: str, key: str = "last3_trainer") -> dict | None:
-    """Methods a - b in one scenario: the difference of their seed means of a per-cell `key`,
-    its 95% bootstrap interval over seeds, the same in the reference's sigma, and which side the
-    interval puts higher. None when either group has no finished cell."""
-    va, vb = ([c[key] for c in summary["cells"].values() if (c["scenario"], c["method"]) == (scenario, m)]
-              for m in (a, b))
-    if not va or not vb:
-        return None
-    diff, sigma = float(np.mean(va) - np.mean(vb)), summary["reference_last3_sigma"]
-    lo, hi = bootstrap_ci(va, vb, lambda x, y: x.mean(-1) - y.mean(-1))  # row-wise over resamples
-    return {"scenario": scenario, "a": a, "b": b, "difference": diff, "difference_lo": lo,
-            "difference_hi": hi, "difference_sigma": diff / sigma if sigma > 0 else float("nan"),
-            "verdict": (f"{a} higher" if lo > 0 else f"{b} higher" if hi < 0
-                        else f"not resolved at {min(len(va), len(vb))} seeds")}
-
-
 def summarize(out: Path, probe_tokens: int = 16,
               extend: Callable[[Path, dict], None] | None = None) -> dict:
     """Per-cell and per-group numbers with deviations from the on-policy reference.

@@ -10,8 +10,9 @@ confident tokens; 8 or 16 experts with a load-balancing loss in the warm start d
 change that; none of them lifts the raw second moment above 1.05. So the calibrated
 generator `inj` is bf16 + router noise 0.1 + INJECTED Student-t noise on every output logit
 (`rollout.logit_noise`, LOGIT_NOISE below): MAD, q95 and flatness within the bars.
-Injected: a stand-in for a large MoE's engine, not a model of one. `inj` has no tail (exact E_mu[rho^2] about 1.02); `inj_tail` adds outlier POSITIONS: at a small share
-of decode steps every logit's noise is drawn at a larger scale (OUTLIERS). Outlier logits
+Injected: a stand-in for a large MoE's engine, not a model of one. `inj` has no tail
+(exact E_mu[rho^2] about 1.02); `inj_tail` adds outlier POSITIONS: at a small share of
+decode steps every logit's noise is Gaussian at a larger scale (OUTLIERS). Outlier logits
 (the earlier `inj_tail`, 10% of logits at scale 3) moved eps's q95 4-8x; whole positions
 leave the typical token's eps in place while a few prefixes carry a large E_mu[rho^2].
 
@@ -50,7 +51,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from tether.experiments import analysis
+from tether.experiments import verdicts
 from tether.experiments.runner import EVAL_SEED, Cell, Experiment
 
 QUESTION = ("With a generator whose mismatch is CIS Appendix A's size, does CIS bound the "
@@ -143,31 +144,29 @@ def tables(summary: dict) -> list[tuple[str, list[dict], list[tuple[str, str]]]]
     second moment per group (runs whose raw value reaches RAW_BAR; the applied one's bar)."""
     sigma, rows = summary["reference_last3_sigma"], []
     for scen, a, b in ACCURACY_PAIRS + CORRECTED_PAIRS:
-        row = analysis.contrast(summary, scen, a, b)
+        row = verdicts.contrast(summary, scen, a, b)
         if row is None:
             continue
         if (scen, a, b) in ACCURACY_PAIRS:
             row["bar"] = f"a ≥ b − {ACCURACY_SIGMA:g} σ"
-            row["verdict"] = analysis.interval_verdict(row["difference_lo"], row["difference_hi"],
+            row["verdict"] = verdicts.interval_verdict(row["difference_lo"], row["difference_hi"],
                                                        lambda d: d >= -ACCURACY_SIGMA * sigma)
         else:
             row["bar"] = "none (the paper's gains are below seed noise)"
         rows.append(row)
     moments = []
     for g in summary["groups"]:
-        runs = [c["is_adv_second_moment"] for c in summary["cells"].values()
-                if (c["scenario"], c["method"]) == (g["scenario"], g["method"])]
         if g["method"] == "none" and g["scenario"] == summary["reference"][0]:
             continue
+        runs = verdicts.seed_values(summary, g["scenario"], g["method"], "is_adv_second_moment")
         moments.append({"group": f"{g['scenario']} x {g['method']}", "raw": g["is_adv_second_moment"],
                         "raw_runs": runs, "reach": f"{sum(r >= RAW_BAR for r in runs)} of {len(runs)}",
                         "applied": g["corr_adv_second_moment"],
                         "verdict": ("n/a (uncorrected)" if g["method"] == "none" else
                                     "met" if all(r >= RAW_BAR for r in runs)
                                     and g["corr_adv_second_moment"] <= APPLIED_BAR else "not met")})
-    tb = summary.get("truncation_bias")
-    fronts = [frontier_verdict(g) for g in ([tb, *(v for v in tb.values() if isinstance(v, dict) and "frontier" in v)]
-                                           if tb else []) if g.get("frontier")]
+    fronts = [frontier_verdict(g) for g in measured_generators(summary.get("truncation_bias"))
+              if g.get("frontier")]
     return [("Accuracy, a − b of the last-3 trainer-side means with its 95% interval over seeds:", rows,
              [("scenario", "generator"), ("a", "a"), ("b", "b"), ("difference", "a − b [95%]"),
               ("difference_sigma", "a − b (σ)"), ("bar", "bar"), ("verdict", "verdict")]),
@@ -179,6 +178,13 @@ def tables(summary: dict) -> list[tuple[str, list[dict], list[tuple[str, str]]]]
               "curve over its caps interpolated there:"), fronts,
              [("scenario", "generator"), ("second_moment", "CIS's E[w²]"), ("cis_bias", "CIS bias (abs)"),
               ("tis_bias", "TIS bias (abs) at that E[w²]"), ("verdict", "verdict")])]
+
+
+def measured_generators(tb: dict | None) -> list[dict]:
+    """The generators `truncation_bias` measured (the top level, then nested ones)."""
+    if not tb:
+        return []
+    return [tb] + [v for v in tb.values() if isinstance(v, dict) and "bins" in v]
 
 
 def frontier_verdict(g: dict) -> dict:

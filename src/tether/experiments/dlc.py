@@ -58,8 +58,8 @@ from pathlib import Path
 
 import numpy as np
 
-from tether.experiments.analysis import contrast, interval_verdict
 from tether.experiments.runner import EVAL_SEED, Cell, Experiment
+from tether.experiments.verdicts import contrast, interval_verdict, seed_values
 
 QUESTION = ("Under an fp8 generator lagging k versions, does plain reweighting drift off the "
             "on-policy trajectory while DLC (staleness IS + centering + ESS re-sync) stays on it?")
@@ -250,15 +250,13 @@ def claims(summary: dict) -> list[dict]:
 def contrasts(summary: dict) -> list[dict]:
     """CONTRAST_PAIRS under each lagged scenario holding both groups: a - b of the last-3 means,
     its 95% bootstrap interval over seeds, in the reference's sigma too, and which side wins."""
-    by = {(c["scenario"], c["method"]): c for c in summary["cells"].values()}
     rows = []
-    for scen in dict.fromkeys(s for s, _ in by if s.startswith("lag")):
+    for scen in dict.fromkeys(c["scenario"] for c in summary["cells"].values() if c["scenario"].startswith("lag")):
         for question, a, b in CONTRAST_PAIRS:
             row = contrast(summary, scen, a, b)
             if row is None:
                 continue
-            syncs = [np.mean([c["resyncs"] for c in summary["cells"].values()
-                              if (c["scenario"], c["method"]) == (scen, m)]) for m in (a, b)]
+            syncs = [np.mean(seed_values(summary, scen, m, "resyncs")) for m in (a, b)]
             rows.append({"question": question, **row, "resyncs": f"{syncs[0]:.1f} vs {syncs[1]:.1f}"})
     return rows
 

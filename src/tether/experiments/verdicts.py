@@ -1,0 +1,39 @@
+"""Verdicts read from intervals (issue 29): a bar is met only when its whole 95% bootstrap
+interval over seeds passes it, and two groups differ only when the interval of their
+difference excludes 0. The experiments' claims and controls tables are built from these."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import numpy as np
+
+from tether.experiments.analysis import bootstrap_ci
+
+
+def interval_verdict(lo: float, hi: float, holds: Callable[[float], bool]) -> str:
+    """A bar read from a 95% interval: 'met' when all of it holds, 'not met' when none does."""
+    if not (math.isfinite(lo) and math.isfinite(hi)):
+        return "n/a"
+    return "met" if holds(lo) and holds(hi) else "not met" if not (holds(lo) or holds(hi)) else "unresolved"
+
+
+def seed_values(summary: dict, scenario: str, method: str, key: str) -> list:
+    """A per-cell number of one group, one entry per finished seed."""
+    return [c[key] for c in summary["cells"].values() if (c["scenario"], c["method"]) == (scenario, method)]
+
+
+def contrast(summary: dict, scenario: str, a: str, b: str, key: str = "last3_trainer") -> dict | None:
+    """Methods a - b in one scenario: the difference of their seed means of a per-cell `key`,
+    its 95% bootstrap interval over seeds, the same in the reference's sigma, and which side the
+    interval puts higher. None when either group has no finished cell."""
+    va, vb = (seed_values(summary, scenario, m, key) for m in (a, b))
+    if not va or not vb:
+        return None
+    diff, sigma = float(np.mean(va) - np.mean(vb)), summary["reference_last3_sigma"]
+    lo, hi = bootstrap_ci(va, vb, lambda x, y: x.mean(-1) - y.mean(-1))  # row-wise over resamples
+    return {"scenario": scenario, "a": a, "b": b, "difference": diff, "difference_lo": lo,
+            "difference_hi": hi, "difference_sigma": diff / sigma if sigma > 0 else float("nan"),
+            "verdict": (f"{a} higher" if lo > 0 else f"{b} higher" if hi < 0
+                        else f"not resolved at {min(len(va), len(vb))} seeds")}
