@@ -45,7 +45,7 @@ matrix's cells took 71 minutes (RESULTS.md), so three groups moved out of the de
 included, so centering has no numerical drift to correct there; exact x dlc stays for what
 centering costs on-policy), lag k x dlc_clip (the clip question, answered in two runs:
 level with dlc or above it within the seeds' spread) and fp8_async k x dlc_window (issue
-28's alternative after_trip rule; `regenerate`, the default, stays). 65 cells. The bf16 generator is left out: fp8
+28's alternative after_trip rule; `regenerate`, the default, stays). 65 cells, timed alone at 57 min 27 s (RESULTS.md). The bf16 generator is left out: fp8
 is the larger numerical push, and in the 74-cell run bf16 x {naive, tis, dlc} moved no method
 while its cells cost the most (128-149 s against 74-100 s on 2 AVX2 cores; RESULTS.md).
 The testbed is the calibrated one (WARMSTART_STEPS, LR; docs/experiments.md): lag 32,
