@@ -30,15 +30,12 @@ def main() -> None:
     base = cis.build().base
     meta = {"base": base, "model_path": resolve_start_model(base, None)}  # built once if needed
     torch.set_num_threads(1)
-    cis.BIAS_CHUNKS = args.chunks
     print("candidate | MAD per bin | q95 per bin | E[rho^2] exact (max) | exact per batch | sampled")
     for cand in args.candidates:
         share, scale = (float(x) for x in cand.split(":"))
-        name = f"tail_{cand}"
-        cis.SCENARIOS[name] = cis.INJECTED + ([f"rollout.logit_noise_outliers={share}",
-                                               f"rollout.logit_noise_outlier_scale={scale}"]
-                                              if share else [])
-        g = cis.measure_generator(meta, name, seed=4321)
+        keys = cis.INJECTED + ([f"rollout.logit_noise_outliers={share}",
+                                f"rollout.logit_noise_outlier_scale={scale}"] if share else [])
+        g = cis.measure_generator(meta, f"tail_{cand}", seed=4321, keys=keys, chunks=args.chunks)
         mad = " ".join(f"{b['mad']:.3f}" for b in g["epsilon"])
         q95 = " ".join(f"{b['q95']:.2f}" for b in g["epsilon"])
         per_batch = " ".join(f"{b['exact']:.3g}" for b in g["rho_second_moment_per_batch"])

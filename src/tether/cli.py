@@ -192,11 +192,11 @@ Run one of the papers' experiments on the embedded testbed (DESIGN.md section 7)
          against N = 1 (grpo x 5 seeds, sapo x 3: on-policy the six are two gradients);
          Countdown answers written as steps (4 numbers), dense model
 Groups cut from dlc's default matrix to fit the hour still run when --only names them
-(fp8:dlc, lag32:dlc_clip, fp8_async32:dlc_window). Default matrix, measured with --workers 2 on
-this project's 2-core machine, nothing else running (RESULTS.md): dlc 57 min for its 65
-cells, cis 32 min for 26 cells,
-vespo 26 cells in 50 min. An empty model cache first builds the warm start (dlc 900 steps,
-vespo 1200 steps of the steps task, cis the MoE's 200: about 5, 10 and 2.5 min on 2 cores).
+(fp8:dlc, lag32:dlc_clip, fp8_async32:dlc_window). Default matrix, measured with --workers 2
+on this project's 2-core machine, nothing else running (RESULTS.md): dlc 57 min for its 65
+cells, cis 32 min for 26 cells, vespo 50 min for 26 cells. An empty model cache first builds
+the warm start (dlc 900 steps, vespo 1200 steps of the steps task, cis the MoE's 200: about
+5, 10 and 2.5 min on 2 cores).
 Each cell is one training run in OUT/cells/<scenario>__<method>__s<seed>, run in parallel
 worker processes (one torch thread each). Rerunning the same command skips finished cells
 and resumes interrupted ones. Ctrl-C or SIGTERM ends every running cell with the processes

@@ -251,8 +251,11 @@ def truncation_bias(out: Path, seed: int = 4321) -> dict:
 
 
 @torch.no_grad()
-def measure_generator(meta: dict, scenario: str, seed: int) -> dict:
-    """`truncation_bias`'s measurement for one scenario's generator on the starting model."""
+def measure_generator(meta: dict, scenario: str, seed: int, keys: list[str] | None = None,
+                      chunks: int = BIAS_CHUNKS) -> dict:
+    """`truncation_bias`'s measurement for one scenario's generator on the starting model, over
+    `chunks` batches; `keys`: the generator's settings, when not SCENARIOS[scenario]'s (a
+    candidate: scripts/cis_tail_calibrate.py)."""
     from dataclasses import asdict
 
     from tether.config import load_config
@@ -266,7 +269,7 @@ def measure_generator(meta: dict, scenario: str, seed: int) -> dict:
     from tether.tasks import task_from_config
     from tether.trainer import collate, token_logprobs
 
-    cfg = load_config(None, meta["base"] + SCENARIOS[scenario])
+    cfg = load_config(None, meta["base"] + (SCENARIOS[scenario] if keys is None else keys))
     r = cfg.rollout
     task = task_from_config(cfg.task)
     model, tok = load_model(meta["model_path"])
@@ -278,7 +281,7 @@ def measure_generator(meta: dict, scenario: str, seed: int) -> dict:
                       logit_noise=logit_noise(r))
     prompts = 8 * r.prompts_per_step
     old, mu, masks, exact = [], [], [], []
-    for c in range(BIAS_CHUNKS):
+    for c in range(chunks):
         problems = [task.train_problem(10_000_000 + c * prompts + i) for i in range(prompts)]
         batch = collate(gen.generate([encode_exact(tok, p.prompt) for p in problems],
                                      [p.id for p in problems], sampling, seed=seed + c),
@@ -326,7 +329,7 @@ def measure_generator(meta: dict, scenario: str, seed: int) -> dict:
              + (f"; {r.logit_noise_outliers:g} of positions at scale {r.logit_noise_outlier_scale:g}"
                 if r.logit_noise_outliers else "") + ")")
     return {"scenario": scenario, "bins": bins, "tokens": int(mask.sum()),
-            "prompts": prompts * BIAS_CHUNKS, "samples": r.group_size,
+            "prompts": prompts * chunks, "samples": r.group_size,
             "rho_second_moment": float((rho_v ** 2).mean()), "rho_max": float(rho_v.max()),
             "rho_second_moment_exact": float(exact_v.mean()),
             "rho_second_moment_exact_max": float(exact_v.max()),

@@ -19,6 +19,11 @@ def interval_verdict(lo: float, hi: float, holds: Callable[[float], bool]) -> st
     return "met" if holds(lo) and holds(hi) else "not met" if not (holds(lo) or holds(hi)) else "unresolved"
 
 
+def all_met(*verdicts: str) -> str:
+    """Bars that must all hold: 'met' when every one is, 'not met' when any one is not."""
+    return "met" if all(v == "met" for v in verdicts) else "not met" if "not met" in verdicts else "unresolved"
+
+
 def seed_values(summary: dict, scenario: str, method: str, key: str) -> list:
     """A per-cell number of one group, one entry per finished seed."""
     return [c[key] for c in summary["cells"].values() if (c["scenario"], c["method"]) == (scenario, method)]
