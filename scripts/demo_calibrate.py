@@ -1,8 +1,8 @@
-"""Calibrate `make demo`: does its run learn above its own noise?
+"""Calibrate `make demo` (or any config): does its run learn above its own noise?
 
-    .venv/bin/python scripts/demo_calibrate.py [--seeds 5] [--jobs 2] [key=value ...]
+    .venv/bin/python scripts/demo_calibrate.py [--config configs/demo.yaml] [--seeds 5] [--jobs 2] [key=value ...]
 
-Trains configs/demo.yaml once per seed (run.seed = 0..seeds-1; the warm start and the
+Trains the config (configs/demo.yaml unless --config) once per seed (run.seed = 0..seeds-1; the warm start and the
 evaluation draws are shared, so step 0 is the same for all), into runs/demo-calibration/,
 and prints each seed's sampled held-out accuracy by evaluation step, the mean gain from
 step 0 to the last step, the seed-to-seed sigma of the final accuracy, and the verdict on
@@ -26,11 +26,11 @@ ROOT = Path(__file__).resolve().parents[1]
 BAR = 2.0  # the gain must exceed this many seed-to-seed sigmas
 
 
-def run(seed: int, out: Path, overrides: list[str]) -> list[tuple[int, float]]:
-    """One demo run; its (step, eval/accuracy_sampled) pairs."""
+def run(seed: int, out: Path, config: Path, overrides: list[str]) -> list[tuple[int, float]]:
+    """One run of `config`; its (step, eval/accuracy_sampled) pairs."""
     run_dir = out / f"s{seed}"
     shutil.rmtree(run_dir, ignore_errors=True)  # a calibration is always run afresh
-    cmd = [str(ROOT / ".venv/bin/tether"), "train", "--config", str(ROOT / "configs/demo.yaml"),
+    cmd = [str(ROOT / ".venv/bin/tether"), "train", "--config", str(config),
            f"run.seed={seed}", f"run.dir={run_dir}", "run.progress=false", *overrides]
     log = out / f"s{seed}.log"
     with open(log, "w") as f:
@@ -42,18 +42,22 @@ def run(seed: int, out: Path, overrides: list[str]) -> list[tuple[int, float]]:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--seeds", type=int, default=5, help="runs, seeds 0..N-1 (default 5)")
+    p.add_argument("--config", type=Path, default=ROOT / "configs/demo.yaml",
+                   help="the config every run trains (default configs/demo.yaml)")
+    p.add_argument("--seeds", type=int, default=5, help="runs, seeds 0..N-1 (default 5; at least 2, for sigma)")
     p.add_argument("--jobs", type=int, default=2, help="runs at once (default 2: one per core)")
     p.add_argument("--out", type=Path, default=ROOT / "runs/demo-calibration",
                    help="where the runs go (default runs/demo-calibration; replaced)")
     p.add_argument("overrides", nargs="*", metavar="key=value", help="passed to every run")
     args = p.parse_args()
+    if args.seeds < 2:
+        p.error("--seeds must be at least 2: the bar needs the seed-to-seed sigma")
     args.out.mkdir(parents=True, exist_ok=True)
     subprocess.run([str(ROOT / ".venv/bin/tether"), "init-model", "--config",
-                    str(ROOT / "configs/demo.yaml"), *args.overrides], check=True,
+                    str(args.config), *args.overrides], check=True,
                    stdout=subprocess.DEVNULL)  # build the warm start once, before the runs
     with ThreadPoolExecutor(args.jobs) as pool:
-        curves = list(pool.map(lambda s: run(s, args.out, args.overrides), range(args.seeds)))
+        curves = list(pool.map(lambda s: run(s, args.out, args.config, args.overrides), range(args.seeds)))
     steps = [s for s, _ in curves[0]]
     print("sampled held-out accuracy by step: " + "  ".join(f"{s:>5}" for s in steps))
     for seed, curve in enumerate(curves):

@@ -3,6 +3,7 @@
 # for about 1e-3; experiments/vespo.py LR records the result).
 #
 #   bash scripts/vespo-calibrate-lr.sh 1e-4 5e-5      (about 40 s per rate; runs/vespo_calib/)
+#   VESPO_PROTOCOL=SWEEP bash scripts/vespo-calibrate-lr.sh 2e-4   (the sweep's 32 x 8 mini-batch)
 #
 # Each rate trains vespo for 8 rollout batches of two of the experiment's optimizer
 # mini-batches (N = 2) on its task keys and its cached warm start (built on first use,
@@ -13,12 +14,14 @@ if [[ "${1:-}" == -h || "${1:-}" == --help ]]; then  # the comment above is the 
   sed -n '2,/^set /p' "$0" | sed -n 's/^# \{0,1\}//p'; exit 0
 fi
 cd "$(dirname "$0")/.."
-# The experiment's own task keys and mini-batch (experiments/vespo.py), not a copy of them.
-TASK=$(.venv/bin/python -c "from tether.experiments import vespo
-print(' '.join(vespo.TASK + [f'rollout.group_size={vespo.GROUP}',
-                             f'rollout.prompts_per_step={2 * vespo.MINIBATCH_PROMPTS}']))")
+# The protocol's own task keys and mini-batch (experiments/vespo.py), not a copy of them.
+TASK=$(VESPO_PROTOCOL="${VESPO_PROTOCOL:-DEFAULT}" .venv/bin/python -c "import os
+from tether.experiments import vespo
+p = getattr(vespo, os.environ['VESPO_PROTOCOL'])
+print(' '.join(vespo.TASKS[p.task] + ['sync.policy=every:1', f'rollout.group_size={p.group}',
+                                     f'rollout.prompts_per_step={2 * p.prompts}']))")
 for lr in "$@"; do
-  d=runs/vespo_calib/lr$lr
+  d=runs/vespo_calib/${VESPO_PROTOCOL:-DEFAULT}-lr$lr
   rm -rf "$d"; mkdir -p runs/vespo_calib
   # shellcheck disable=SC2086
   .venv/bin/tether train $TASK train.lr="$lr" train.estimator=vespo \

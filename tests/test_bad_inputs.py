@@ -40,7 +40,7 @@ CASES = [
      ["unknown estimator 'ppo2'", "valid presets", "grpo"]),
     ("unknown-engine", ["rollout.engine=sglang", NO_MODEL], ["rollout.engine", "'hf' or 'vllm'"]),
     ("unknown-sync-policy", ["sync.policy=often", NO_MODEL], ["sync.policy", "every:K"]),
-    ("unknown-task", ["task.name=chess", NO_MODEL], ["task.name: unknown task 'chess'", "'countdown', 'numeric'"]),
+    ("unknown-task", ["task.name=chess", NO_MODEL], ["task.name: unknown task 'chess'", "'countdown', 'chain', 'numeric'"]),
     ("missing-config-file", ["--config", "{tmp}/nope.yaml"], ["nope.yaml does not exist"]),
     ("reward-fn-form", ["reward.fn=just_a_name", NO_MODEL], ["reward.fn", "module:function"]),
     # --- data: malformed rows name file and line (before any model is built) ---

@@ -7,6 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
@@ -131,3 +132,44 @@ def test_one_rl_step_is_one_adamw_step_at_the_configured_lr(warm_model_dir, tmp_
     lr = cfg.train.lr
     assert cfg.train.weight_decay == 0 and moved.max() <= lr * 1.01
     assert (moved > 0.99 * lr).float().mean() > 0.9 and moved.numel() > step.numel() / 2
+
+
+def test_seq_weights_are_one_on_policy_and_spread_with_stale_minibatches(warm_model_dir, tmp_path):
+    """diagnostics.seq_weights: at N = 1 on an exact generator every W is 1 (log W = 0,
+    phi = 1, each response an equal share); with 2 mini-batches the second trains a version
+    stale, so log W spreads and phi leaves 1."""
+    def run(name: str, minibatches: int) -> dict:
+        cfg = load_config("configs/countdown.yaml", [
+            f"model.path={warm_model_dir}", f"run.dir={tmp_path / name}", "train.steps=2",
+            "train.estimator=vespo", f"train.minibatches={minibatches}", "train.lr=1e-3",
+            "rollout.prompts_per_step=4", "rollout.group_size=5", "eval.every=0", "eval.samples=0",
+            "diagnostics.seq_weights=true", "diagnostics.monitor_every=0", "run.progress=false"])
+        train(cfg)
+        return read_jsonl(tmp_path / name / "metrics.jsonl")[-1]
+
+    on = run("n1", 1)
+    assert [on[f"staleness/seq_log_ratio/{q}"] for q in ("q05", "q50", "q95")] == [0.0, 0.0, 0.0]
+    # mu against pi_old: the same fp32 weights, sampled with a KV cache and scored in one pass.
+    assert abs(on["total/seq_log_ratio/q05"]) < 1e-3 and abs(on["total/seq_log_ratio/q95"]) < 1e-3
+    assert [on[f"objective/coef_seq/{q}"] for q in ("q05", "q50", "q95", "max")] == [1.0] * 4
+    assert on["objective/coef_seq/top_share"] == pytest.approx(1 / 20)  # one of 20 responses
+    stale = run("n2", 2)
+    assert stale["staleness/seq_log_ratio/q05"] < stale["staleness/seq_log_ratio/q95"]
+    assert stale["objective/coef_seq/q05"] < 1.0 or stale["objective/coef_seq/max"] > 1.0
+    assert abs(stale["staleness/seq_log_ratio/q05"] - stale["total/seq_log_ratio/q05"]) < 1e-3
+
+
+def test_chain_task_trains_on_its_own_default_model(tmp_path):
+    """task.name=chain: the default model is warm-started on chains, with the 256 positions
+    their 142-token prompt + answer need, and the loop runs on it."""
+    cache = str(tmp_path / "models")
+    cfg = load_config("configs/chain.yaml", [
+        f"model.cache_dir={cache}", "model.warmstart_steps=2", f"run.dir={tmp_path / 'run'}",
+        "train.steps=1", "rollout.prompts_per_step=2", "rollout.group_size=2", "task.eval_size=4",
+        "eval.every=1", "run.progress=false"])
+    result = train(cfg)
+    model_dir = next(Path(cache).glob("tiny-dense-*"))
+    assert json.loads((model_dir / "config.json").read_text())["max_position_embeddings"] == 256
+    rows = read_jsonl(tmp_path / "run" / "metrics.jsonl")
+    assert rows[-1]["step"] == 1 and "eval/accuracy" in rows[-1]
+    assert result.run_dir.is_dir()

@@ -12,11 +12,13 @@ import itertools
 import json
 import math
 import re
+from dataclasses import replace
 
 import numpy as np
 import pytest
 
 from tether.cli import main
+from tether.config import load_config
 from tether.errors import InputError
 from tether.experiments import analysis, get, select, verdicts
 from tether.models import ensure_default_model
@@ -285,9 +287,26 @@ def test_full_matrices_are_the_documented_ones():
     assert sum(c.scenario == "exact" and c.method == "naive" for c in dlc.cells) == 5
     vespo = get("vespo").build()
     # N = 1: grpo (the reference, 5 seeds) and sapo, the two distinct on-policy gradients;
-    # N = 64: all six objectives, 3 seeds.
+    # N = 64: all six objectives, 3 seeds. Beside it: the (k, lambda) ablation and the race.
     assert vespo.groups()[:3] == [("N1", "grpo"), ("N1", "sapo"), ("N64", "grpo")]
     assert len(vespo.groups()) == 2 + 6 and len(vespo.cells) == 5 + 3 + 6 * 3
+    assert {(c.scenario, c.method) for c in vespo.extra} == {
+        ("N64", "vespo_flat"), ("N64", "vespo_narrow"), ("N4_race", "grpo"), ("N4_race", "sapo"),
+        ("N4_race", "vespo"), ("N4_race", "vespo_rho")}
+    race = next(c for c in vespo.extra if c.method == "vespo_rho")
+    assert {"loop.mode=async", "rollout.precision=fp8", "loop.max_staleness=4", "train.minibatches=4",
+            "train.estimator_params={include_rho: true}"} <= set(race.overrides)
+    sweep = get("vespo").build(protocol=get("vespo").SWEEP)
+    # N in {1, 4, 8, 16, 64}: 512 optimizer steps each, evaluation every 16 (every 64 at N = 64).
+    assert [s for s, m in sweep.groups() if m == "grpo"] == ["N1", "N4", "N8", "N16", "N64", "N4_race"]
+    assert len(sweep.cells) == 5 + 3 + 4 * 6 * 3 + 2 * 3 + 4 * 3 and not sweep.extra
+    keys = {c.scenario: c.overrides[:4] for c in sweep.cells if c.method == "grpo"}
+    assert keys["N4"] == ("rollout.prompts_per_step=128", "train.minibatches=4", "train.steps=128", "eval.every=4")
+    assert keys["N64"] == ("rollout.prompts_per_step=2048", "train.minibatches=64", "train.steps=8", "eval.every=1")
+    assert "diagnostics.seq_weights=true" in sweep.base
+    chain = get("vespo").build(protocol=replace(get("vespo").SWEEP, task="chain"))
+    assert "task.name=chain" in chain.base and "rollout.max_new_tokens=120" in chain.base
+    assert load_config(None, chain.base + list(chain.cells[0].overrides)).task.name == "chain"
     keys = {c.scenario: c.overrides[:5] for c in vespo.cells if c.method == "grpo"}
     # Mini-batch 16 prompts x 8; 128 optimizer steps = 128 / N batches; eval every 64 of them.
     assert keys["N1"] == ("rollout.prompts_per_step=16", "train.minibatches=1", "train.steps=128",
@@ -307,24 +326,45 @@ def test_full_matrices_are_the_documented_ones():
                for c in lagged)
 
 
-def test_vespo_retention_reads_each_method_against_its_n1_twin():
-    def cell(n: str, method: str, seed: int, final: float) -> tuple[str, dict]:
-        return f"{n}__{method}__s{seed}", {"scenario": n, "method": method, "final_trainer": final}
+def _vespo_summary(last3: dict[tuple[str, str], list[float]]) -> dict:
+    cells = {f"{n}__{m}__s{s}": {"scenario": n, "method": m, "seed": s, "last3_trainer": v}
+             for (n, m), vs in last3.items() for s, v in enumerate(vs)}
+    groups = [{"scenario": n, "method": m, "collapsed_trainer": 0} for n, m in last3]
+    return {"cells": cells, "groups": groups, "reference_last3_sigma": 0.01}
 
-    finals = {("N1", "grpo"): [0.20, 0.22], ("N1", "sapo"): [0.10, 0.10],
-              ("N64", "vespo"): [0.17, 0.15, 0.21], ("N64", "gspo"): [0.09, 0.07, 0.01]}
-    cells = dict(cell(n, m, s, f) for (n, m), fs in finals.items() for s, f in enumerate(fs))
-    groups = [{"scenario": n, "method": m, "final_trainer": sum(fs) / len(fs)}
-              for (n, m), fs in finals.items()]
-    summary = {"cells": cells, "groups": groups}
+
+def test_vespo_retention_reads_each_method_against_its_n1_twin():
+    summary = _vespo_summary({("N1", "grpo"): [0.20, 0.22], ("N1", "sapo"): [0.10, 0.10],
+                              ("N64", "vespo"): [0.17, 0.15, 0.21], ("N64", "gspo"): [0.09, 0.07, 0.01]})
     get("vespo").extend(None, summary)
     by = {(g["scenario"], g["method"]): g for g in summary["groups"]}
     # vespo's twin is N1 grpo (mean 0.21; 0.8x = 0.168): 0.17 and 0.21 keep it, 0.15 does not.
     assert by["N64", "vespo"]["n1_twin"] == "N1 grpo" and by["N64", "vespo"]["kept_80"] == 2
     assert by["N64", "vespo"]["vs_n1"] == pytest.approx(0.53 / 3 / 0.21)
+    assert by["N64", "vespo"]["vs_n1_lo"] < by["N64", "vespo"]["vs_n1"] < by["N64", "vespo"]["vs_n1_hi"]
     # gspo's is N1 sapo (0.10): 0.09 keeps it, 0.07 and 0.01 do not.
     assert by["N64", "gspo"]["n1_twin"] == "N1 sapo" and by["N64", "gspo"]["kept_80"] == 1
     assert by["N1", "grpo"]["vs_n1"] == pytest.approx(1.0)
+
+
+def test_vespo_claims_are_computed_from_intervals():
+    ref = [0.20, 0.21, 0.22, 0.20, 0.22]
+    holds = {("N1", "grpo"): ref, ("N1", "sapo"): ref,
+             ("N8", "vespo"): [0.21, 0.20, 0.22], ("N8", "grpo"): [0.05, 0.06, 0.04],
+             ("N8", "gspo"): [0.20, 0.21, 0.20], ("N8", "sapo"): [0.02, 0.01, 0.03],
+             ("N8", "vespo_T"): [0.10, 0.12, 0.11], ("N8", "vespo_sqrtT"): [0.15, 0.14, 0.16],
+             ("N4_race", "vespo"): [0.20, 0.21, 0.19], ("N4_race", "vespo_rho"): [0.05, 0.21, 0.20],
+             ("N4_race", "grpo"): [0.01, 0.02, 0.01], ("N4_race", "sapo"): [0.01, 0.02, 0.02]}
+    summary = _vespo_summary(holds)
+    get("vespo").extend(None, summary)
+    verdicts = {(c["claim"].split()[0] + " " + c["claim"].split()[-1], c["scenario"]): c["verdict"]
+                for c in summary["claims"]}
+    assert verdicts == {("vespo grows", "N8"): "met", ("÷T destabilise", "N8"): "met",
+                        ("vespo async", "N4_race"): "unresolved"}  # vespo_rho's seeds straddle 0.8x
+    # vespo falls with the baselines: the first claim is not met; ÷T above vespo: not met either.
+    summary = _vespo_summary({**holds, ("N8", "vespo"): [0.05, 0.06, 0.05]})
+    get("vespo").extend(None, summary)
+    assert [c["verdict"] for c in summary["claims"] if c["scenario"] == "N8"] == ["not met", "not met"]
 
 
 def test_an_out_dir_is_not_reused_under_other_settings(tmp_path, capsys):

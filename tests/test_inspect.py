@@ -22,11 +22,13 @@ SHORT = ["rollout.prompts_per_step=4", "rollout.group_size=4", "rollout.max_new_
 
 @pytest.fixture(scope="module")
 def dlc_run(warm_model_dir, tmp_path_factory):
-    """3 steps of dlc against an fp8 generator lagging 1 version; ess:0.95 re-syncs."""
+    """3 steps of dlc against an fp8 generator lagging 1 version; ess:0.95 re-syncs; the
+    sequence weights' quantiles logged (diagnostics.seq_weights)."""
     run_dir = tmp_path_factory.mktemp("dlc")
     train(load_config("configs/dlc_fp8_lag4.yaml", [
         f"model.path={warm_model_dir}", f"run.dir={run_dir}", "train.steps=3", "train.lr=3e-3",
-        "sync.lag=1", "sync.policy=ess:0.95", "log.dump_logprobs=true", *SHORT]))
+        "sync.lag=1", "sync.policy=ess:0.95", "log.dump_logprobs=true",
+        "diagnostics.seq_weights=true", *SHORT]))
     return run_dir
 
 

@@ -17,7 +17,13 @@ import torch
 from tether.diagnostics import compare_routes, decompose, divergence_metrics, mismatch_metrics
 from tether.estimators import TokenBatch, build_estimator, ess_seq, ess_token
 from tether.estimators.base import CorrectionTerms, ObjectiveTerms
-from tether.estimators.metrics import applied_metrics, centering_metrics, ratio_metrics, to_floats
+from tether.estimators.metrics import (
+    applied_metrics,
+    centering_metrics,
+    ratio_metrics,
+    sequence_weight_metrics,
+    to_floats,
+)
 from tether.monitor import monitor_metrics
 
 LN2 = math.log(2.0)
@@ -302,3 +308,44 @@ def test_monitor_metrics_by_hand() -> None:
         "monitor/k1_kl/mean": 0.0, "monitor/k3_kl/mean": 0.0,
         "monitor/kl_share/rare": 0.0, "monitor/token_frac/rare": 2 / 5,
     }, rel=1e-7)
+
+
+def test_sequence_weight_metrics_by_hand() -> None:
+    # Four responses (one all-masked, left out); a masked token whose log-ratio of 5 would
+    # move every sum. Staleness log W per row: 0.1 + 0.2 = 0.3, -0.4, 1.0; rho adds -0.1,
+    # 0, +0.5. The coefficient's per-row mean: (1 + 3) / 2 = 2, 1, 5.
+    mask = torch.tensor([[1, 1, 0], [1, 0, 0], [1, 1, 1], [0, 0, 0]], dtype=torch.bool)
+    log_r = _t([[0.1, 0.2, 5.0], [-0.4, 5.0, 5.0], [0.5, 0.25, 0.25], [5.0, 5.0, 5.0]])
+    log_rho = _t([[-0.1, 0.0, 5.0], [0.0, 5.0, 5.0], [0.5, 0.0, 0.0], [5.0, 5.0, 5.0]])
+    coef = _t([[1.0, 3.0, 99.0], [1.0, 99.0, 99.0], [5.0, 5.0, 5.0], [99.0, 99.0, 99.0]])
+    got = to_floats(sequence_weight_metrics(log_r, log_rho, coef, mask))
+
+    def q(values: list[float], p: float) -> float:  # linear interpolation, as torch.quantile
+        values = sorted(values)
+        pos = p * (len(values) - 1)
+        lo = int(pos)
+        return values[lo] + (pos - lo) * (values[min(lo + 1, len(values) - 1)] - values[lo])
+
+    expected = {"objective/coef_seq/max": 5.0, "objective/coef_seq/top_share": 5.0 / 8.0}
+    for name, values in (("staleness/seq_log_ratio", [0.3, -0.4, 1.0]),
+                         ("total/seq_log_ratio", [0.2, -0.4, 1.5]),
+                         ("objective/coef_seq", [2.0, 1.0, 5.0])):
+        for stat, p in (("q05", 0.05), ("q50", 0.5), ("q95", 0.95)):
+            expected[f"{name}/{stat}"] = q(values, p)
+    _assert_values(got, expected)
+    assert sequence_weight_metrics(log_r, log_rho, coef, torch.zeros_like(mask)) == {}
+
+
+def test_estimator_coefficients_are_the_objectives_own_weight() -> None:
+    # vespo: phi(W) = W^k exp(lam (1 - W)) per row, (k, lam) by the advantage's sign.
+    logp_old = _log([[0.5, 0.5], [0.5, 0.5]])
+    logp = logp_old + _t([[math.log(2.0), 0.0], [0.0, 0.0]])  # W = 2 for row 0, 1 for row 1
+    batch = TokenBatch(logp=logp, logp_old=logp_old, logp_rollout=logp_old,
+                       advantages=torch.tensor([1.0, -1.0], dtype=torch.float64),
+                       mask=torch.ones(2, 2, dtype=torch.bool))
+    phi = build_estimator("vespo").coefficients(batch)
+    assert phi[0].tolist() == pytest.approx([4.0 * math.exp(-3.0)] * 2)  # k 2, lam 3, W 2
+    assert phi[1].tolist() == pytest.approx([1.0, 1.0])  # W = 1: phi(1) = 1
+    # grpo (PPO's clip): the ratio where the clip passes the gradient, 0 where it cuts it
+    # (row 0's first token: r = 2 above 1 + eps with A > 0).
+    assert build_estimator("grpo").coefficients(batch).tolist() == [[0.0, 1.0], [1.0, 1.0]]

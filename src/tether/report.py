@@ -161,10 +161,12 @@ def bars_figure(groups: list[dict], keys: list[tuple[str, str]], xlabel: str, ti
 
 
 def vespo_figure(groups: list[dict], path: Path, metric: str, twins: dict[str, str]) -> Path | None:
-    """Final trainer-side value (`metric`) against N per method, starting from its N = 1 twin
-    (`twins`: the method whose on-policy run has its gradient) where it has no N = 1 run of
-    its own; groups with a seed whose trainer-side value collapsed marked with a red x."""
+    """Trainer-side value (`metric`, the mean of the last 3 evaluations) against N per method,
+    starting from its N = 1 twin (`twins`: the method whose on-policy run has its gradient)
+    where it has no N = 1 run of its own; groups with a seed whose trainer-side value
+    collapsed marked with a red x. The race's groups (`N4_race`) are not on this axis."""
     plt = _plt()
+    groups = [g for g in groups if g["scenario"][1:].isdigit()]
     fig, ax = plt.subplots(figsize=(6.5, 4))
     methods = list(dict.fromkeys(g["method"] for g in groups))
     colors = method_colors("vespo", methods)
@@ -174,8 +176,8 @@ def vespo_figure(groups: list[dict], path: Path, metric: str, twins: dict[str, s
             own += [g for g in groups if g["scenario"] == "N1" and g["method"] == twins.get(meth)]
         gs = sorted(own, key=lambda g: int(g["scenario"][1:]))
         n = [int(g["scenario"][1:]) for g in gs]
-        r = [g["final_trainer"] for g in gs]
-        sd = [g["final_trainer_std"] if math.isfinite(g["final_trainer_std"]) else 0 for g in gs]
+        r = [g["last3_trainer"] for g in gs]
+        sd = [g["last3_trainer_std"] if math.isfinite(g["last3_trainer_std"]) else 0 for g in gs]
         ax.errorbar(n, r, yerr=sd, color=colors[meth], marker="o", capsize=2, label=meth)
         bad = [(a, b) for a, b, g in zip(n, r, gs) if g["collapsed_trainer"]]
         if bad:
@@ -185,7 +187,7 @@ def vespo_figure(groups: list[dict], path: Path, metric: str, twins: dict[str, s
     ax.set_xticks(sorted({int(g["scenario"][1:]) for g in groups}))
     ax.get_xaxis().set_major_formatter(plt.ScalarFormatter())
     ax.set_xlabel("staleness N (optimizer steps per rollout batch)")
-    ax.set_ylabel(f"final trainer-side {metric}")
+    ax.set_ylabel(f"trainer-side {metric}, last 3 evaluations")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     ax.set_title("Which objective keeps the trained policy's reward as N grows?", fontsize=10)
@@ -293,6 +295,11 @@ def make_figures(out: Path, meta: dict, summary: dict, figdir: Path) -> list[tup
         q = "Which objective keeps the trained policy's reward as N grows?"
         add(vespo_figure(groups, figdir / "reward_vs_N.png", summary["trainer_metric"] or "headline",
                          get("vespo").N1_TWIN), q)
+        for key, label, fname in (("objective/coef_seq/q50", "φ(W): median response", "phi_q50.png"),
+                                  ("objective/coef_seq/top_share", "φ's share on the top 5%", "phi_top.png"),
+                                  ("staleness/seq_log_ratio/q95", "log W: 95th percentile", "log_w_q95.png")):
+            q = f"Where does each objective's sequence weight sit over training ({label})?"
+            add(curves_figure(out, meta, key, label, q, figdir / fname, x=x), q)  # seq_weights runs
     return figs
 
 

@@ -30,6 +30,8 @@ from tether.diagnostics import (
     routing_disagreement,
 )
 from tether.dump import DumpWriter, dump_batch
+from tether.estimators.base import TokenBatch
+from tether.estimators.metrics import sequence_weight_metrics, to_floats
 from tether.models.routing import is_moe
 from tether.monitor import current_model_monitor
 from tether.rollout.types import Rollout, SamplingParams
@@ -213,13 +215,15 @@ class Diagnostics:
 
 
 def train_step(trainer: Trainer, batch: RolloutTensors, rollouts: list[Rollout],
-               old: OldLogprobs, adv_std_norm: bool) -> StepOutput:
+               old: OldLogprobs, adv_std_norm: bool, seq_weights: bool = False) -> StepOutput:
     """Group advantages, then the loss and `train.minibatches` optimizer steps.
 
     pi_old left to the training forward (`old.logp` None) is that forward's logp; a step
     skipped or cut short before scoring every row did not move the weights, so one no-grad
     forward at them gives it. pi_prox, when the estimator reads it, is `Trainer.train_on`'s
-    (its forward counts in time/train)."""
+    (its forward counts in time/train). `seq_weights` (`diagnostics.seq_weights`): the
+    quantiles of the sequence weights over the whole batch, each row at the weights its
+    loss saw (`sequence_weight_metrics`)."""
     t0 = time.perf_counter()
     advantages = group_advantages(batch.rewards, batch.group_ids, adv_std_norm)
     rows, logp = trainer.train_on(batch, advantages, old.logp, old.topk)
@@ -228,6 +232,12 @@ def train_step(trainer: Trainer, batch: RolloutTensors, rollouts: list[Rollout],
         logp_old = logp if logp is not None else trainer.score_old(batch, trainer.model)[0]
     metrics = {**mean_metrics(rows), **batch_metrics(batch, rollouts),
                "time/train": time.perf_counter() - t0}
+    if seq_weights and logp is not None:
+        mask = batch.response_mask.bool()
+        coef = trainer.estimator.coefficients(TokenBatch(logp, logp_old, batch.logp_rollout,
+                                                         advantages, mask))
+        metrics |= to_floats(sequence_weight_metrics(logp - logp_old, logp_old - batch.logp_rollout,
+                                                     coef, mask))
     return StepOutput(metrics, logp, logp_old)
 
 

@@ -20,10 +20,12 @@ from hypothesis import strategies as st
 
 import tether.tasks
 from tests.hypothesis_budget import examples
-from tether.tasks import CountdownTask, NumericAnswerTask, Problem, Reward
+from tether.tasks import ChainTask, CountdownTask, NumericAnswerTask, Problem, Reward
 
 COUNTDOWN = CountdownTask(eval_size=1, format_weight=0.25)
 COUNTDOWN_PROBLEM = Problem(id="t", prompt="3,7,9:42=", meta={"numbers": (3, 7, 9), "target": 42})
+CHAIN = ChainTask(eval_size=1, format_weight=0.25)
+CHAIN_PROBLEM = Problem(id="c", prompt="7+3*2=", meta={"start": 7, "ops": (("+", 3), ("*", 2))})
 NUMERIC_PROBLEM = Problem(id="n", prompt="q", meta={"answer": "#### 42", "target": "42"})
 
 _ARITHMETIC = "0123456789+-*/()" * 3 + "=,: .\n"  # repeats weight the expression characters
@@ -88,12 +90,14 @@ def test_rewards_never_raise_or_execute(numeric_task, response):
     with _nothing_may_execute():
         countdown_reward = COUNTDOWN.reward(COUNTDOWN_PROBLEM, response)
         numeric_reward = numeric_task.reward(NUMERIC_PROBLEM, response)
+        chain_reward = CHAIN.reward(CHAIN_PROBLEM, response)
     assert countdown_reward in (
         Reward(1.0, {"correct": 1.0, "format": 1.0}),
         Reward(0.25, {"correct": 0.0, "format": 1.0}),
         Reward(0.0, {"correct": 0.0, "format": 0.0}),
     )
     assert numeric_reward.total == numeric_reward.parts["correct"] in (0.0, 1.0)
+    assert chain_reward.total in (0.0, 0.25) and chain_reward.parts["steps"] in (0.0, 0.5)
 
 
 def test_task_modules_call_no_code_execution_builtins():

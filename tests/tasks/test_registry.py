@@ -15,7 +15,7 @@ def test_build_builtin_tasks(tmp_path):
 
 def test_unknown_name_lists_valid_ones():
     with pytest.raises(
-        ValueError, match=r"unknown task 'countdwon'; valid names: countdown, numeric"
+        ValueError, match=r"unknown task 'countdwon'; valid names: chain, countdown, numeric"
     ):
         build_task("countdwon")
 
@@ -32,7 +32,7 @@ def test_register_user_task_and_refuse_duplicates(monkeypatch):
     class TinyCountdown(CountdownTask):
         name = "tiny"
 
-    assert task_names() == ["countdown", "numeric", "tiny"]
+    assert task_names() == ["chain", "countdown", "numeric", "tiny"]
     assert isinstance(build_task("tiny", eval_size=1), TinyCountdown)
     with pytest.raises(ValueError, match="'countdown' is already registered"):
         register_task("countdown")(TinyCountdown)

@@ -34,6 +34,7 @@ from tether.config.sections import (
 from tether.config.task import (
     BUILTIN_TASKS,
     TASK_NAME_HELP,
+    ChainTaskConfig,
     CountdownTaskConfig,
     NumericTaskConfig,
     TaskConfig,
@@ -46,6 +47,7 @@ __all__ = [
     "EXACT_TOPK_MAX_VOCAB",
     "SECTIONS",
     "TASK_NAME_HELP",
+    "ChainTaskConfig",
     "Config",
     "ConfigError",
     "CountdownTaskConfig",

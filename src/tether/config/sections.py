@@ -355,13 +355,12 @@ class DiagnosticsConfig(Node):
     )
     monitor_prompts: int = Field(8, ge=1, description="Monitor: held-out prompts in the probe set.")
     monitor_samples: int = Field(4, ge=1, description="Monitor: samples per probe prompt.")
-    rare_prob: float = Field(
-        RARE_PROB, gt=0.0, lt=1.0,
-        description="Monitor: a token is rare when the generator gives it probability below this.",
-    )
-    routing: bool = Field(
-        True, description="MoE models: measure routing disagreement every step (two no-grad forwards).",
-    )
+    rare_prob: float = Field(RARE_PROB, gt=0.0, lt=1.0, description="Monitor: a token is rare "
+                             "when the generator gives it probability below this.")
+    routing: bool = Field(True, description="MoE models: measure routing disagreement every "
+                          "step (two no-grad forwards).")
+    seq_weights: bool = Field(False, description="Log the spread of the sequence weights each "
+                              "step: quantiles of log W and of VESPO's phi(W) (docs/metrics.md).")
 
 
 class LogConfig(Node):

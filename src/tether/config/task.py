@@ -57,6 +57,39 @@ class CountdownTaskConfig(Node):
         return self
 
 
+class ChainTaskConfig(Node):
+    name: Literal["chain"] = "chain"
+    steps_min: int = Field(10, ge=1, le=24, description="Fewest operations in a chain (steps in its answer).")
+    steps_max: int = Field(14, ge=1, le=24, description="Most operations in a chain; 10-14 steps "
+                           "write 60-111 tokens. The default model's context grows to fit.")
+    operand_max: int = Field(9, ge=1, le=9, description="Operands and the start are drawn from 1..operand_max.")
+    value_max: int = Field(99, ge=1, description="Every intermediate value stays in 0..value_max.")
+    seed: int = Field(0, description="Seed of the problem generator (train and held-out sets).")
+    eval_size: int = Field(200, ge=1, description="Size of the fixed held-out evaluation set.")
+    train_size: int = Field(
+        0, ge=0, description="Cycle through only the first N training problems (0: endless).",
+    )
+    format_weight: float = Field(
+        0.0, ge=0.0, lt=1.0,
+        description="Reward for an answer of the right number of well-formed steps that is not the chain.",
+    )
+    rl_share: float = Field(
+        RL_SHARE, ge=0.0, lt=1.0,
+        description="Share of problems kept for RL; the default model's warm start draws only "
+        "from the rest (a hash of the prompt). 0: one stream for both.",
+    )
+
+    @model_validator(mode="after")
+    def _ranges(self) -> ChainTaskConfig:
+        if self.steps_min > self.steps_max:
+            raise CrossFieldError(["task.steps_min", "task.steps_max"],
+                                  f"steps_min ({self.steps_min}) must be <= steps_max ({self.steps_max})")
+        if self.value_max < self.operand_max:
+            raise CrossFieldError(["task.value_max", "task.operand_max"],
+                                  f"value_max ({self.value_max}) must be >= operand_max ({self.operand_max})")
+        return self
+
+
 class NumericTaskConfig(Node):
     name: Literal["numeric"] = "numeric"
     path: str = Field(description="Local JSONL or parquet file of prompt/answer rows (GSM8K style).")
@@ -87,7 +120,7 @@ class UserTaskConfig(Node):
 
 
 BUILTIN_TASKS: dict[str, type[Node]] = {
-    node.model_fields["name"].default: node for node in (CountdownTaskConfig, NumericTaskConfig)
+    node.model_fields["name"].default: node for node in (CountdownTaskConfig, ChainTaskConfig, NumericTaskConfig)
 }
 USER_TASK = "user"  # the union tag of a task named by import path
 TASK_TAGS = (*BUILTIN_TASKS, USER_TASK)

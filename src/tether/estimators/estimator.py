@@ -80,6 +80,16 @@ class Estimator:
                 metrics |= centering_metrics(rho_tail, head_mu, mask)
         return LossOutput(loss=loss, weights=weights, metrics=to_floats(metrics))
 
+    def coefficients(self, batch: TokenBatch) -> torch.Tensor:
+        """The objective's own weight on each token's score, (B, T) without grad (VESPO:
+        phi(W); 1 for the policy gradient). pi_prox, when the batch lacks it, is pi_old."""
+        clean = _sanitize(batch)
+        fields = {name: getattr(clean, name) for name in _FIELDS}
+        with torch.no_grad():
+            obj = self.objective.fn(*(fields[n] for n in self.objective.inputs),
+                                    **self._own(self.objective.defaults))
+        return obj.coef.detach()
+
     @property
     def needs_prox(self) -> bool:
         """Whether the loss reads `logp_prox` (decoupled PPO): the trainer then scores it."""

@@ -102,6 +102,44 @@ def centering_metrics(
     }
 
 
+TOP_SHARE = 0.05  # objective/coef_seq/top_share: the share of the coefficients' sum on this top share
+
+
+def sequence_weight_metrics(
+    log_r: torch.Tensor, log_rho: torch.Tensor, coef: torch.Tensor, mask: torch.Tensor
+) -> dict[str, torch.Tensor]:
+    """How the sequence weights spread over a step's responses (`diagnostics.seq_weights`);
+    inputs (B, T), detached, over the whole step batch; rows without a valid token left out.
+
+        staleness/seq_log_ratio/{q05,q50,q95}  log W = sum_t log pi_theta/pi_old (VESPO's W)
+        total/seq_log_ratio/{q05,q50,q95}      sum_t log pi_theta/mu (W with include_rho)
+        objective/coef_seq/{q05,q50,q95,max}   the objective's weight per response, the mean
+                                                over its tokens (VESPO: phi(W))
+        objective/coef_seq/top_share           the share of those weights' sum on the top
+                                                TOP_SHARE of responses (TOP_SHARE when equal)
+    """
+    rows = mask.any(dim=-1)
+    if not rows.any():
+        return {}
+    maskf = mask.to(log_r.dtype)
+    n_tok = maskf.sum(dim=-1).clamp(min=1.0)
+    log_w = torch.stack([(clamp_log_ratio(x) * maskf).sum(dim=-1) for x in (log_r, log_r + log_rho)])
+    per_row = ((coef * maskf).sum(dim=-1) / n_tok)[rows]
+    q = torch.tensor([0.05, 0.5, 0.95], dtype=log_w.dtype, device=log_w.device)
+    quantiles = torch.quantile(torch.cat([log_w[:, rows], per_row[None]]), q, dim=-1)  # (3, 3)
+    top = max(1, round(TOP_SHARE * per_row.numel()))
+    out: dict[str, torch.Tensor] = {}
+    for i, name in enumerate(("staleness/seq_log_ratio", "total/seq_log_ratio", "objective/coef_seq")):
+        for j, stat in enumerate(("q05", "q50", "q95")):
+            out[f"{name}/{stat}"] = quantiles[j, i]
+    out["objective/coef_seq/max"] = per_row.max()
+    total = per_row.abs().sum()
+    out["objective/coef_seq/top_share"] = torch.where(
+        total > 0, per_row.abs().topk(top).values.sum() / total.clamp(min=torch.finfo(total.dtype).tiny),
+        torch.ones_like(total) * top / per_row.numel())
+    return out
+
+
 def to_floats(metrics: dict[str, torch.Tensor]) -> dict[str, float]:
     """One device sync for the whole dict."""
     values = torch.stack([v.detach().to(torch.float64).reshape(()) for v in metrics.values()])

@@ -1,5 +1,9 @@
 """E-VESPO (DESIGN.md section 7): which objective survives N stale optimizer steps per batch?
 
+A `Protocol` holds a testbed's numbers (task, the Ns, optimizer steps, evaluation cadence,
+mini-batch, lr, seeds); DEFAULT is the matrix below, SWEEP the long N sweep that
+`scripts/vespo_sweep.py` runs (issue 30).
+
 The paper's protocol (its scripts: optimizer mini-batch 256, rollout batch 256 x N, lr 1e-6,
 8 samples per prompt), scaled to the tiny testbed:
 1. A fixed optimizer mini-batch of MINIBATCH_PROMPTS = 16 prompts x GROUP = 8 samples = 128
@@ -9,9 +13,10 @@ The paper's protocol (its scripts: optimizer mini-batch 256, rollout batch 256 x
    ones. (4 x 8 was tried first: the on-policy reference lost accuracy at every lr tried,
    its few groups with a correct answer too few for Adam's steps; docs/experiments.md,
    "E-VESPO's testbed".)
-2. The same number of optimizer steps for every N: OPT_STEPS = 128, so `train.steps` (rollout
+2. The same number of optimizer steps for every N: `opt_steps` = 128, so `train.steps` (rollout
    batches) = 128 / N: N = 1 trains on 128 batches, N = 64 on 2.
-3. Trainer-side evaluation every EVAL_EVERY = 64 optimizer steps for every N (`eval.every` =
+3. Trainer-side evaluation every `eval_every` = 64 optimizer steps for every N (or every
+   N, when N is larger: a rollout batch is the finest cadence) (`eval.every` =
    64 / N rollout batches; checkpoints on the same cadence): at versions 0, 64 and 128, held
    out and sampled like the rollouts (`eval.samples=4`: `eval/accuracy_sampled`,
    `eval/reward_sampled`). The headline and the collapse test read these (analysis
@@ -20,13 +25,16 @@ The paper's protocol (its scripts: optimizer mini-batch 256, rollout batch 256 x
    steps (`task.answer=steps`, 4 numbers: 3 steps, 20.5 tokens on average with eos,
    `rollout.max_new_tokens=48`; configs/countdown_steps.yaml), from a cached 1200-step warm
    start on it (held-out accuracy 0.21 greedy, 0.18-0.20 sampled). The 5-number task
-   (27 tokens) started at 0.07 sampled, where the reference did not learn.
+   (27 tokens) started at 0.07 sampled, where the reference did not learn. `task="chain"`
+   is the long-response testbed instead (configs/chain.yaml: 60-111 tokens, where the
+   length normalisations differ; a 360-step warm start, sampled held-out 0.70).
 5. W = prod pi_theta/pi_old, without rho, as the paper's scripts (the `vespo` default); the
    generator is fp32, so rho = 1 anyway: all the mismatch here is staleness.
 6. Collapse, read at the largest N: the final trainer-side value below half its best
    (`collapsed_trainer`; the generator-side batch reward has only 2 points at N = 64).
-   Retention: a method's final trainer-side value over its N = 1 twin's mean (`vs_n1`) and
-   the seeds that keep >= 80% of it (`kept_80`).
+   Retention: a method's last-3 trainer-side mean over its N = 1 twin's (`vs_n1`, with a
+   95% bootstrap interval over both sides' seeds) and the seeds that keep >= 80% of it
+   (`kept_80`).
 
 At N = 1, pi_old is the training forward itself (r = W = 1 exactly) and the six objectives
 are two gradients (tests/estimators, `test_on_policy_the_vespo_objectives_are_two_gradients`):
@@ -40,20 +48,37 @@ Measured with two cells sharing the 2 cores: 1.17 s per optimizer step at N = 1,
 165-190 s; an N = 64 cell 255-300 s (a batch of 8192 responses generates in 55 s); about
 8 s per evaluation. 8 x 180 + 18 x 280 = 6480 cell-seconds, 54 minutes on 2 workers.
 - N in {1, 64}: the ends (on-policy and the paper's largest N); N = 8 would add 18 cells
-  (about 30 minutes). `--only` adds no new N; a wider sweep is a change of NS.
+  (about 30 minutes). `--only` adds no new N; a wider sweep is SWEEP's (scripts/vespo_sweep.py).
 - 128 optimizer steps (N = 64 sees 2 rollout batches) and 3 trainer-side evaluations.
 - No MoE routing-replay (R2) rows: the MoE model would need its own warm start on the
   steps task and its rows more cells; they do not fit.
-- The learning rate LR: its comment.
-- Each cell's N keys (`train.steps`, `eval.every`, ...) apply after `--set`: OPT_STEPS and
-  EVAL_EVERY are changed here, not with `--set train.steps=...`.
+- The learning rate: LR's comment.
+- Each cell's N keys (`train.steps`, `eval.every`, ...) apply after `--set`: a Protocol's
+  numbers change here (or in scripts/vespo_sweep.py), not with `--set train.steps=...`.
+
+Beside the default (`Experiment.extra`, run with `--only`, and in SWEEP):
+- the (k, lambda) ablation at the largest N: `vespo_flat` (k = lambda = 0, phi = 1: the
+  same objective with no weight at all) and `vespo_narrow` (both 4x: the same peaks,
+  k / lambda, at a quarter of the width);
+- the race (`RACE`): an fp8 generator in the asynchronous loop (one rollout worker,
+  admission bound eta = RACE_ETA) at N = RACE_N, where grpo, sapo, vespo and `vespo_rho`
+  (W = prod pi_theta / mu: `include_rho`, as the paper's fully-async script feeds the
+  rollout log-probs in as pi_old) train on what the race gives.
+`claims` computes the paper's three claims' verdicts from the 95% intervals (`tables`
+prints them in `tether report`); `diagnostics.seq_weights` logs log W and phi(W)
+quantiles every step, which the report's distribution table reads.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass, replace
 from pathlib import Path
 
+import numpy as np
+
+from tether.experiments.analysis import bootstrap_ci, cell_rows, ratio, series
 from tether.experiments.runner import EVAL_SEED, Cell, Experiment
+from tether.experiments.verdicts import all_met, contrast, interval_verdict, seed_values
 
 QUESTION = ("With a fixed optimizer mini-batch and N of them per rollout batch (more stale "
             "updates as N grows), which objective keeps the trained policy's reward, and does "
@@ -64,22 +89,18 @@ QUESTION = ("With a fixed optimizer mini-batch and N of them per rollout batch (
 # seeds). 1e-4 is the largest lr tried at which it still gains (-> 0.207, +0.025; k3 3.7e-4);
 # 5e-5 meets the +0.03 bar (-> 0.226) at k3 1.3e-4. docs/experiments.md has the table.
 LR = 1e-4
-
-GROUP = 8  # samples per prompt (the paper's 8)
-MINIBATCH_PROMPTS = 16  # prompts per optimizer mini-batch: 16 x 8 = 128 responses
-OPT_STEPS = 128  # optimizer steps for every N (train.steps = OPT_STEPS / N rollout batches)
-EVAL_EVERY = 64  # trainer-side evaluation (and checkpoint) every this many optimizer steps
-NS = (1, 64)
-SEEDS = 3
-REFERENCE_SEEDS = 5  # the N1 x grpo reference: sigma needs more seeds than a claim
 WARMSTART_STEPS = 1200
+CHAIN_WARMSTART_STEPS = 360  # sampled held-out 0.70; 240 gave 0.04, 600 0.95 (docs/experiments.md)
 
-# Countdown written as steps, 4 numbers, and its cached warm start, with a correctness-only
-# reward, as the paper's: at format_weight 0.1 the on-policy reference traded correct chains
-# for well-formed misses (docs/experiments.md, "E-VESPO's testbed").
-TASK = [f"model.warmstart_steps={WARMSTART_STEPS}", "task.answer=steps", "task.num_numbers=4",
-        "task.use_all=true", "task.format_weight=0", "rollout.max_new_tokens=48",
-        "sync.policy=every:1"]
+# The testbeds' task keys and their cached warm starts, with a correctness-only reward, as the
+# paper's: at format_weight 0.1 the on-policy reference traded correct chains for well-formed
+# misses (docs/experiments.md, "E-VESPO's testbed").
+TASKS = {
+    "steps": [f"model.warmstart_steps={WARMSTART_STEPS}", "task.answer=steps", "task.num_numbers=4",
+              "task.use_all=true", "task.format_weight=0", "rollout.max_new_tokens=48"],
+    "chain": [f"model.warmstart_steps={CHAIN_WARMSTART_STEPS}", "task.name=chain",
+              "task.format_weight=0", "rollout.max_new_tokens=120"],
+}
 METHODS = {
     "grpo": ["train.estimator=grpo"],
     "gspo": ["train.estimator=gspo"],
@@ -87,74 +108,239 @@ METHODS = {
     "vespo": ["train.estimator=vespo"],
     "vespo_T": ["train.estimator=vespo", "train.estimator_params={length_norm: T}"],
     "vespo_sqrtT": ["train.estimator=vespo", "train.estimator_params={length_norm: sqrtT}"],
+    # The (k, lambda) ablation: no weight at all (phi = 1), and the paper's peaks 4x narrower.
+    "vespo_flat": ["train.estimator=vespo",
+                   "train.estimator_params={k_pos: 0, lam_pos: 0, k_neg: 0, lam_neg: 0}"],
+    "vespo_narrow": ["train.estimator=vespo",
+                     "train.estimator_params={k_pos: 8, lam_pos: 12, k_neg: 12, lam_neg: 8}"],
+    "vespo_rho": ["train.estimator=vespo", "train.estimator_params={include_rho: true}"],
 }
 # The method whose N = 1 run stands for each method's (module docstring): the same gradient.
+# vespo_rho's is grpo's too: at N = 1 on an exact generator rho = 1 and W = 1.
 N1_TWIN = {"grpo": "grpo", "vespo": "grpo", "vespo_T": "grpo", "vespo_sqrtT": "grpo",
+           "vespo_flat": "grpo", "vespo_narrow": "grpo", "vespo_rho": "grpo",
            "gspo": "sapo", "sapo": "sapo"}
-KEEP = 0.8  # retention bar: a seed keeps >= 80% of its N = 1 twin's final value
+KEEP = 0.8  # retention bar: a seed keeps >= 80% of its N = 1 twin's last-3 mean
+BASELINES = ("grpo", "gspo", "sapo")  # the objectives the paper says degrade as N grows
+NORMALISED = ("vespo_T", "vespo_sqrtT")  # the length normalisations it says destabilise
+ABLATION = ("vespo_flat", "vespo_narrow")
+RACE_METHODS = ("grpo", "sapo", "vespo", "vespo_rho")
+RACE_N, RACE_ETA = 4, 4  # the race: N mini-batches per rollout batch, admission bound eta
 
 CURVE_X = "version"  # the report's curves: optimizer steps, comparable across N
 
 
+@dataclass(frozen=True)
+class Protocol:
+    """One testbed's numbers (module docstring)."""
+
+    task: str = "steps"  # a TASKS key
+    ns: tuple[int, ...] = (1, 64)
+    opt_steps: int = 128  # optimizer steps for every N (train.steps = opt_steps / N)
+    eval_every: int = 64  # trainer-side evaluation every this many optimizer steps (or N)
+    prompts: int = 16  # prompts per optimizer mini-batch
+    group: int = 8  # samples per prompt (the paper's 8)
+    lr: float = LR
+    seeds: int = 3
+    reference_seeds: int = 5  # the N1 x grpo reference: sigma needs more seeds than a claim
+    methods: tuple[str, ...] = ("grpo", "gspo", "sapo", "vespo", "vespo_T", "vespo_sqrtT")
+    extra_methods: tuple[str, ...] = ABLATION  # at the largest N, outside the default
+    race: bool = False  # the race rows in the matrix itself (else in `extra`)
+    seq_weights: bool = False  # diagnostics.seq_weights: log W and phi(W) quantiles per step
+
+
+DEFAULT = Protocol()
+# The issue-30 sweep: every N from the paper's README, 512 optimizer steps, evaluation every
+# 16 of them, a 32 x 8 mini-batch, the ablation and the race in the matrix.
+SWEEP = Protocol(ns=(1, 4, 8, 16, 64), opt_steps=512, eval_every=16, prompts=32, race=True,
+                 seq_weights=True)
+
+
 def staleness_keys(n: int, prompts: int, opt_steps: int, eval_every: int) -> list[str]:
     """Scenario N: a rollout batch of N mini-batches of `prompts` prompts, `opt_steps`
-    optimizer steps in all, evaluation and checkpoints every `eval_every` optimizer steps."""
-    if opt_steps % n or eval_every % n:
-        raise ValueError(f"N={n} must divide opt_steps={opt_steps} and eval_every={eval_every}")
+    optimizer steps in all, evaluation and checkpoints every max(`eval_every`, N) optimizer
+    steps (a rollout batch is the finest cadence)."""
+    every = max(eval_every, n)
+    if opt_steps % n or every % n:
+        raise ValueError(f"N={n} must divide opt_steps={opt_steps} and eval_every={every}")
     return [f"rollout.prompts_per_step={prompts * n}", f"train.minibatches={n}",
-            f"train.steps={opt_steps // n}", f"eval.every={eval_every // n}",
-            f"run.checkpoint_every={eval_every // n}"]
+            f"train.steps={opt_steps // n}", f"eval.every={every // n}",
+            f"run.checkpoint_every={every // n}"]
 
 
-def build(quick: bool = False, seeds: int | None = None) -> Experiment:
+def race_keys(eta: int) -> list[str]:
+    """The race: an fp8 generator in the asynchronous loop, one rollout worker, at most eta
+    versions behind (what the race gives, on top of each mini-batch's own N staleness)."""
+    return ["rollout.precision=fp8", "loop.mode=async", "loop.workers=1",
+            f"loop.max_staleness={eta}"]
+
+
+def build(quick: bool = False, seeds: int | None = None, protocol: Protocol = DEFAULT) -> Experiment:
+    p = protocol
     if quick:  # 2 prompts x 4 samples per mini-batch, 4 optimizer steps, 16 held-out problems
-        ns, methods, n_seeds, n_ref = (1, 4), ["grpo", "vespo"], seeds or 1, seeds or 1
-        group, prompts, opt_steps, eval_every = 4, 2, 4, 4
+        p = replace(p, ns=(1, 4), methods=("grpo", "vespo"), extra_methods=(), race=False,
+                    seeds=seeds or 1, reference_seeds=seeds or 1, group=4, prompts=2,
+                    opt_steps=4, eval_every=4)
         # A smoke test, not a measurement: a short warm start unless --model gives one.
         extra = ["task.eval_size=16", "eval.samples=2", "model.warmstart_steps=20"]
     else:
-        ns, methods, n_seeds = NS, list(METHODS), seeds or SEEDS
-        n_ref = max(n_seeds, REFERENCE_SEEDS)
-        group, prompts, opt_steps, eval_every = GROUP, MINIBATCH_PROMPTS, OPT_STEPS, EVAL_EVERY
+        p = replace(p, seeds=seeds or p.seeds, reference_seeds=max(seeds or 0, p.reference_seeds))
         extra = ["eval.samples=4"]
-    base = TASK + [f"train.lr={LR:g}", f"rollout.group_size={group}", f"eval.seed={EVAL_SEED}",
-                   "diagnostics.monitor_every=0", *extra]
-    groups = [(n, m) for n in ns for m in methods if n > 1 or N1_TWIN[m] == m]
-    cells = [Cell(f"N{n}", m, seed, tuple(staleness_keys(n, prompts, opt_steps, eval_every)
-                                          + METHODS[m]))
-             for seed in range(max(n_seeds, n_ref)) for n, m in groups
-             if seed < (n_ref if (n, m) == (1, "grpo") else n_seeds)]
-    notes = [(f"staleness N: a rollout batch of N optimizer mini-batches of {prompts} x {group} "
-              f"responses; {opt_steps} optimizer steps for every N (train.steps = {opt_steps}/N)"),
-             (f"trainer-side evaluation every {eval_every} optimizer steps; curves against "
-              "optimizer steps (version)"),
-             (f"reference for deviations: N1 x grpo, {n_ref} seeds; at N = 1 each objective is "
-              "grpo's gradient or sapo's (N1_TWIN), so only those two run there"),
-             "collapse: final trainer-side value < half its best; retention: final over the N = 1 twin's",
-             "vespo: W = prod pi_theta/pi_old, without rho, as the paper's scripts"]
-    return Experiment("vespo", QUESTION, base, cells, ("N1", "grpo"), notes)
+    base = TASKS[p.task] + ["sync.policy=every:1", f"train.lr={p.lr:g}",
+                            f"rollout.group_size={p.group}", f"eval.seed={EVAL_SEED}",
+                            "diagnostics.monitor_every=0", *extra]
+    if p.seq_weights:
+        base.append("diagnostics.seq_weights=true")
+
+    def keys(n: int) -> tuple[str, ...]:
+        return tuple(staleness_keys(n, p.prompts, p.opt_steps, p.eval_every))
+
+    def cells_of(groups: list[tuple[str, str, tuple[str, ...]]]) -> list[Cell]:
+        return [Cell(scen, m, seed, k + tuple(METHODS[m]))
+                for seed in range(max(p.seeds, p.reference_seeds)) for scen, m, k in groups
+                if seed < (p.reference_seeds if (scen, m) == ("N1", "grpo") else p.seeds)]
+
+    top, race_n = max(p.ns), min(RACE_N, max(p.ns))
+    main = [(f"N{n}", m, keys(n)) for n in p.ns for m in p.methods if n > 1 or N1_TWIN[m] == m]
+    side = [(f"N{top}", m, keys(top)) for m in p.extra_methods]
+    race = [(f"N{race_n}_race", m, keys(race_n) + tuple(race_keys(RACE_ETA))) for m in RACE_METHODS]
+    cells = cells_of(main + side + race if p.race else main)
+    notes = [(f"staleness N: a rollout batch of N optimizer mini-batches of {p.prompts} x {p.group} "
+              f"responses; {p.opt_steps} optimizer steps for every N (train.steps = "
+              f"{p.opt_steps}/N); task {p.task}, lr {p.lr:g}"),
+             (f"trainer-side evaluation every max({p.eval_every}, N) optimizer steps; curves "
+              "against optimizer steps (version)"),
+             (f"reference for deviations: N1 x grpo, {p.reference_seeds} seeds; at N = 1 each "
+              "objective is grpo's gradient or sapo's (N1_TWIN), so only those two run there"),
+             ("collapse: final trainer-side value < half its best; retention: last-3 mean over "
+              "the N = 1 twin's, 95% interval over seeds"),
+             "vespo: W = prod pi_theta/pi_old, without rho, as the paper's scripts (vespo_rho: with it)",
+             (f"N{race_n}_race: fp8 generator, asynchronous loop, 1 rollout worker, eta = {RACE_ETA}")]
+    return Experiment("vespo", QUESTION, base, cells, ("N1", "grpo"), notes,
+                      extra=[] if quick or p.race else cells_of(side + race))
 
 
-def extend(out: Path, summary: dict) -> None:
-    """Add to each group its N = 1 twin (`n1_twin`), its final trainer-side value over the
-    twin's mean (`vs_n1`) and the seeds whose final value keeps >= KEEP of it (`kept_80`)."""
-    twins = {g["method"]: g["final_trainer"] for g in summary["groups"] if g["scenario"] == "N1"}
+def extend(out: Path | None, summary: dict) -> None:
+    """Add to each group its N = 1 twin (`n1_twin`), its last-3 trainer-side mean over the
+    twin's (`vs_n1`, with a 95% bootstrap interval over both sides' seeds), the seeds whose
+    last-3 mean keeps >= KEEP of it (`kept_80`); then the claims (`claims`) and, with an
+    output directory, the sequence-weight quantiles (`weight_spread`)."""
     for g in summary["groups"]:
         twin = N1_TWIN.get(g["method"])
-        ref = twins.get(twin, float("nan"))
-        finals = [c["final_trainer"] for c in summary["cells"].values()
-                  if (c["scenario"], c["method"]) == (g["scenario"], g["method"])]
-        g["n1_twin"] = f"N1 {twin}" if twin in twins else None
-        g["vs_n1"] = g["final_trainer"] / ref if ref > 0 else float("nan")
-        g["kept_80"] = sum(f >= KEEP * ref for f in finals) if ref > 0 else None
+        ref = seed_values(summary, "N1", twin, "last3_trainer") if twin else []
+        own = seed_values(summary, g["scenario"], g["method"], "last3_trainer")
+        mean_ref = float(np.mean(ref)) if ref else float("nan")
+        g["n1_twin"] = f"N1 {twin}" if ref else None
+        g["vs_n1"] = float(np.mean(own)) / mean_ref if mean_ref > 0 else float("nan")
+        g["vs_n1_lo"], g["vs_n1_hi"] = bootstrap_ci(own, ref, ratio) if ref else (float("nan"),) * 2
+        g["kept_80"] = sum(v >= KEEP * mean_ref for v in own) if mean_ref > 0 else None
+    summary["claims"] = claims(summary)
+    if out is not None:
+        summary["weight_spread"] = weight_spread(Path(out), summary)
+
+
+def _n(scenario: str) -> int:
+    return int(scenario[1:].split("_")[0])
+
+
+def _retention(g: dict | None) -> str:
+    return "n/a" if g is None else interval_verdict(g["vs_n1_lo"], g["vs_n1_hi"], lambda v: v >= KEEP)
+
+
+def claims(summary: dict) -> list[dict]:
+    """The paper's three claims, one row per N (> 1) or race, each verdict read from 95%
+    intervals: (1) vespo keeps >= KEEP of its twin while a baseline (grpo, gspo, sapo) does
+    not; (2) vespo - vespo_T and vespo - vespo_sqrtT (last-3) both > 0; (3) in the race,
+    vespo and vespo_rho keep >= KEEP while grpo or sapo does not."""
+    by = {(g["scenario"], g["method"]): g for g in summary["groups"]}
+    rows = []
+    for scen in dict.fromkeys(g["scenario"] for g in summary["groups"]):
+        if _n(scen) == 1:
+            continue
+        race = scen.endswith("_race")
+        stable = ("vespo", "vespo_rho") if race else ("vespo",)
+        degrade = [m for m in (("grpo", "sapo") if race else BASELINES) if (scen, m) in by]
+        if all((scen, m) in by for m in stable) and degrade:
+            keeps = [_retention(by[scen, m]) for m in stable]
+            drops = {m: _retention(by[scen, m]) for m in degrade}
+            some_drop = ("met" if "not met" in drops.values() else
+                         "not met" if all(v == "met" for v in drops.values()) else "unresolved")
+            verdict = all_met(*keeps, some_drop)
+            value = "; ".join(f"{m} {by[scen, m]['vs_n1']:.2f}× [{by[scen, m]['vs_n1_lo']:.2f}, "
+                              f"{by[scen, m]['vs_n1_hi']:.2f}] ({by[scen, m]['collapsed_trainer']} "
+                              f"collapsed)" for m in (*stable, *degrade))
+            rows.append({"claim": "vespo holds under mismatch and async" if race else
+                         "vespo stable while grpo/gspo/sapo degrade as N grows", "scenario": scen,
+                         "value": value, "bar": f"{'/'.join(stable)} ≥ {KEEP:g}× twin, and a "
+                         f"baseline below it (95% intervals)", "verdict": verdict})
+        pairs = [contrast(summary, scen, "vespo", m) for m in NORMALISED]
+        if not race and all(pairs):
+            sides = [interval_verdict(c["difference_lo"], c["difference_hi"], lambda v: v > 0) for c in pairs]
+            rows.append({"claim": "÷T and ÷√T destabilise", "scenario": scen,
+                         "value": "; ".join(f"vespo − {c['b']} {c['difference']:+.3f} "
+                                            f"[{c['difference_lo']:+.3f}, {c['difference_hi']:+.3f}]"
+                                            for c in pairs),
+                         "bar": "vespo − each > 0 (last-3, 95% interval)",
+                         "verdict": all_met(*sides)})
+    return rows
+
+
+SPREAD_KEYS = ("staleness/seq_log_ratio", "total/seq_log_ratio", "objective/coef_seq")
+
+
+def _quarter(values: np.ndarray, part: str) -> np.ndarray:
+    """The first or the last quarter of a run's steps (at least one)."""
+    k = max(1, len(values) // 4)
+    return values[:k] if part == "first" else values[-k:]
+
+
+def weight_spread(out: Path, summary: dict) -> list[dict]:
+    """Per group with `diagnostics.seq_weights` rows: the median over its seeds and steps of
+    each quantile of log W (staleness; total for vespo_rho's W) and of phi(W), over the first
+    and the last quarter of training, and phi's top-5% share at the last quarter: where the
+    weight mass sits as a run goes (or collapses)."""
+    rows = []
+    for g in summary["groups"]:
+        names = [n for n, c in summary["cells"].items() if (c["scenario"], c["method"]) == (g["scenario"], g["method"])]
+        runs = [cell_rows(out, n) for n in names]
+        if not any(series(r, "objective/coef_seq/q50")[1].size for r in runs):
+            continue
+        row = {"scenario": g["scenario"], "method": g["method"]}
+        quantiles = [f"{k}/{s}" for k in SPREAD_KEYS for s in ("q05", "q50", "q95")]
+        for name in [*quantiles, "objective/coef_seq/top_share"]:
+            for part in ("first", "last"):
+                vals = np.concatenate([_quarter(series(r, name)[1], part) for r in runs])
+                row[f"{name}/{part}"] = float(np.median(vals)) if vals.size else float("nan")
+        rows.append(row)
+    return rows
+
+
+def tables(summary: dict) -> list[tuple[str, list[dict], list[tuple[str, str]]]]:
+    """The report's tables beside the groups': the claims' verdicts, and the sequence weights'
+    spread where it was logged."""
+    spread_cols = [("scenario", "N"), ("method", "method")] + [
+        (f"{k}/{s}/{part}", f"{label} {s} ({part} ¼)")
+        for k, label in (("staleness/seq_log_ratio", "log W"), ("total/seq_log_ratio", "log W·ρ"),
+                         ("objective/coef_seq", "φ(W)"))
+        for s in ("q05", "q50", "q95") for part in ("first", "last")] + [
+        ("objective/coef_seq/top_share/last", "φ top-5% share (last ¼)")]
+    out = [("The paper's claims, each verdict read from 95% intervals (bootstrap over seeds):",
+            summary.get("claims", []), [("claim", "claim"), ("scenario", "N"),
+                                        ("value", "value [95%]"), ("bar", "bar"),
+                                        ("verdict", "verdict")])]
+    if summary.get("weight_spread"):  # only runs with diagnostics.seq_weights log them
+        out.append((("Sequence weights over training (median over seeds and steps of each "
+                     "quantile; diagnostics.seq_weights):"), summary["weight_spread"], spread_cols))
+    return out
 
 
 COLUMNS = [("scenario", "N"), ("method", "method"), ("seeds", "seeds"),
-           ("final_trainer", "final trainer-side"), ("best_trainer", "best trainer-side"),
+           ("last3_trainer", "last-3 trainer-side"), ("best_trainer", "best trainer-side"),
            ("collapsed_trainer", "collapsed seeds (trainer-side)"),
-           ("n1_twin", "N = 1 twin"), ("vs_n1", "× N = 1 twin"),
+           ("n1_twin", "N = 1 twin"), ("vs_n1", "last-3 × N = 1 twin [95%]"),
            ("kept_80", "seeds ≥ 0.8× twin"),
            ("final_reward", "final batch reward (generator-side)"),
            ("final_accuracy", "final greedy acc"), ("min_ess", "min ESS"),
            ("staleness_k3", "staleness k3 (mean over steps)"),
+           ("mean_staleness", "staleness (versions)"),
            ("probe_kl_to_ref", "probe KL to N1 grpo")]

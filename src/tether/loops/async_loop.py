@@ -73,7 +73,8 @@ def train_async(cfg: Config, resume: bool = False) -> RunResult:
                 sched.resync(V, model.state_dict(), stale)
                 continue
             # 5. Loss and optimizer step(s) at the current weights (data-parallel: on every rank).
-            out = train_step(trainer, batch, result.rollouts, old, cfg.train.adv_std_norm)
+            out = train_step(trainer, batch, result.rollouts, old, cfg.train.adv_std_norm,
+                             cfg.diagnostics.seq_weights)
             tripped = gate.after(out.logp, trainer)  # on_trip=train: off the training forward
             clock.lap()
             # 6. Diagnostics: numerical / staleness / total split, MoE routing, monitor.

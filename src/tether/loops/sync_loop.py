@@ -58,7 +58,8 @@ def train_sync(cfg: Config, resume: bool = False) -> RunResult:
             clock.lap("sync")
             V = trainer.version
             # 4. Loss and optimizer step(s) at the current weights (data-parallel: on every rank).
-            out = train_step(trainer, batch, rollouts, old, cfg.train.adv_std_norm)
+            out = train_step(trainer, batch, rollouts, old, cfg.train.adv_std_norm,
+                             cfg.diagnostics.seq_weights)
             clock.lap()
             # 5. Diagnostics: numerical / staleness / total split, MoE routing, monitor.
             diag = s.diagnose(step, run.sampling_seed(step), batch, out.logp_old, out.logp,

@@ -22,7 +22,7 @@ from transformers import (
 
 from tether.defaults import MODEL_CACHE_DIR, WARMSTART_STEPS
 from tether.errors import InputError
-from tether.models.tiny import MOE_EXPERTS, build_tiny_model
+from tether.models.tiny import MAX_POSITIONS, MOE_EXPERTS, build_tiny_model, positions_for
 from tether.models.tokenizer import build_char_tokenizer
 from tether.models.warmstart import warm_start
 
@@ -53,23 +53,32 @@ def ensure_default_model(
 ) -> Path:
     """Build and warm-start tether's tiny model unless cached; return its HF directory.
 
-    `task_kwargs` are CountdownTask knobs (others are ignored); the cache key holds their
-    resolved values, so defaults passed explicitly or left out find the same model; so do
+    `task_kwargs` is the task section: the model is warm-started on the chain task when its
+    `name` is "chain", else on Countdown; the task's WARMSTART_KNOBS among them shape the
+    data (others are ignored). The cache key holds their resolved values, so defaults
+    passed explicitly or left out find the same model; so do
     `moe_experts` (experts per layer) and `moe_aux_loss` (the router load-balancing loss's
     weight in the warm start), MoE only, keyed only when not the default. The
     directory loads with AutoModelForCausalLM / AutoTokenizer. It is written to a
     temporary directory and renamed into place, so a killed build leaves no half model;
     concurrent callers build it once (`build_lock`), the others wait and load it.
     """
+    from tether.tasks.chain import ChainTask
     from tether.tasks.countdown import ALPHABET, CountdownTask
 
-    knobs = {k: v for k, v in (task_kwargs or {}).items() if k in CountdownTask.WARMSTART_KNOBS}
-    task = CountdownTask(**knobs, seed=seed)
-    key = {k: getattr(task, k) for k in CountdownTask.WARMSTART_KNOBS}
+    task_kwargs = task_kwargs or {}
+    chain = task_kwargs.get("name") == ChainTask.name
+    task_cls = ChainTask if chain else CountdownTask  # the chain task shares Countdown's ALPHABET
+    knobs = {k: v for k, v in task_kwargs.items() if k in task_cls.WARMSTART_KNOBS}
+    task = task_cls(**knobs, seed=seed)
+    key = {k: getattr(task, k) for k in task_cls.WARMSTART_KNOBS}
+    if chain:
+        key["name"] = ChainTask.name
     for knob, before in (("answer", "expr"), ("rl_share", 0.0)):
-        if key[knob] == before:  # keyed as before the option existed: cached models stay valid
+        if key.get(knob) == before:  # keyed as before the option existed: cached models stay valid
             del key[knob]
-    arch = {}
+    positions = positions_for(getattr(task, "context", 0))
+    arch = {"positions": positions} if positions != MAX_POSITIONS else {}
     if moe and moe_experts != MOE_EXPERTS:
         arch["experts"] = moe_experts
     if moe and moe_aux_loss:
@@ -81,7 +90,8 @@ def ensure_default_model(
         if (out / "config.json").is_file():
             return out
         tokenizer = build_char_tokenizer(ALPHABET)
-        model = build_tiny_model(len(tokenizer), moe=moe, seed=seed, experts=moe_experts)
+        model = build_tiny_model(len(tokenizer), moe=moe, seed=seed, experts=moe_experts,
+                                 positions=positions)
         if verbose:
             print(f"building tether's tiny {'MoE' if moe else 'dense'} model: "
                   f"{warmstart_steps} warm-start steps -> {out}")

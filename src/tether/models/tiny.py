@@ -17,14 +17,22 @@ from transformers import (
 )
 
 MAX_POSITIONS = 128
+"""The default model's context, unless its task needs more (`positions_for`)."""
+
+
+def positions_for(context: int) -> int:
+    """The context a default model gets for a task whose prompt + answer + eos take up to
+    `context` tokens: MAX_POSITIONS, or the next power of two that holds it."""
+    return max(MAX_POSITIONS, 1 << (max(context, 1) - 1).bit_length())
 
 
 MOE_EXPERTS = 4  # the default MoE model's experts per layer (each token to its top 2)
 
 
-def tiny_config(vocab_size: int = 21, moe: bool = False, experts: int = MOE_EXPERTS) -> PretrainedConfig:
+def tiny_config(vocab_size: int = 21, moe: bool = False, experts: int = MOE_EXPERTS,
+                positions: int = MAX_POSITIONS) -> PretrainedConfig:
     """The architecture of the default model (dense Qwen3, or Qwen3-MoE with `experts`
-    experts, top 2)."""
+    experts, top 2), with a context of `positions` tokens (RoPE: no parameter depends on it)."""
     common = {
         "vocab_size": vocab_size,
         "hidden_size": 192,
@@ -32,7 +40,7 @@ def tiny_config(vocab_size: int = 21, moe: bool = False, experts: int = MOE_EXPE
         "num_attention_heads": 4,
         "num_key_value_heads": 2,
         "head_dim": 64,
-        "max_position_embeddings": MAX_POSITIONS,
+        "max_position_embeddings": positions,
         "rope_theta": 10000.0,
         "tie_word_embeddings": True,
         "pad_token_id": 0,
@@ -53,10 +61,10 @@ def tiny_config(vocab_size: int = 21, moe: bool = False, experts: int = MOE_EXPE
 
 
 def build_tiny_model(vocab_size: int = 21, moe: bool = False, seed: int = 0,
-                     experts: int = MOE_EXPERTS) -> PreTrainedModel:
+                     experts: int = MOE_EXPERTS, positions: int = MAX_POSITIONS) -> PreTrainedModel:
     """A freshly initialised tiny model, deterministic for `seed`, in fp32."""
     torch.manual_seed(seed)
-    config = tiny_config(vocab_size, moe, experts)
+    config = tiny_config(vocab_size, moe, experts, positions)
     config._attn_implementation = "sdpa"
     model_cls = Qwen3MoeForCausalLM if moe else Qwen3ForCausalLM
     return model_cls(config).float()

@@ -13,12 +13,14 @@ from typing import Any
 
 from tether.errors import InputError
 from tether.tasks.base import Problem, Reward, Task, is_correct
+from tether.tasks.chain import ChainTask
 from tether.tasks.countdown import ALPHABET, CountdownTask, reachable, reachable_steps, solve
 from tether.tasks.expr import ExprFailure, ExprLimits, ExprValue, evaluate_expr
 from tether.tasks.numeric import NumericAnswerTask, final_number, reference_number
 
 __all__ = [
     "ALPHABET",
+    "ChainTask",
     "CountdownTask",
     "ExprFailure",
     "ExprLimits",
@@ -135,5 +137,5 @@ def _user_task_factory(spec: str) -> Callable[..., Task]:
     return factory
 
 
-for _builtin in (CountdownTask, NumericAnswerTask):  # each under the name its class declares
+for _builtin in (CountdownTask, ChainTask, NumericAnswerTask):  # each under the name its class declares
     register_task(_builtin.name)(_builtin)

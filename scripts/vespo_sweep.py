@@ -1,0 +1,57 @@
+"""E-VESPO's long N sweep (issue 30): every N, many optimizer steps, a fine evaluation cadence.
+
+    .venv/bin/python scripts/vespo_sweep.py --plan                 (the cells, nothing run)
+    .venv/bin/python scripts/vespo_sweep.py --out runs/experiments/vespo-sweep
+    .venv/bin/python scripts/vespo_sweep.py --task chain --out runs/experiments/vespo-sweep-chain
+
+Its defaults are experiments/vespo.py's SWEEP protocol: N in {1, 4, 8, 16, 64}, 512 optimizer
+steps on 32 x 8 mini-batches, trainer-side evaluation every 16 optimizer steps (every N above
+16), 3 seeds (5 for the N1 x grpo reference), the (k, lambda) ablation at the largest N, the
+fp8 asynchronous race, and the sequence-weight quantiles logged every step. Each flag
+replaces one of the protocol's numbers; `--only` keeps some groups (and the reference).
+Resumable like every experiment: rerun the same command. `tether report DIR` draws it,
+with the claims' verdicts. Hours of CPU on 2 cores: a command, never a test.
+"""
+
+import argparse
+from dataclasses import replace
+
+from tether.experiments import analysis, run_experiment, select, vespo
+
+
+def main(args: argparse.Namespace) -> None:
+    p = vespo.SWEEP
+    changes = {"task": args.task, "ns": args.ns, "opt_steps": args.opt_steps,
+               "eval_every": args.eval_every, "prompts": args.prompts, "lr": args.lr,
+               "seeds": args.seeds, "reference_seeds": args.reference_seeds}
+    p = replace(p, **{k: v for k, v in changes.items() if v is not None})
+    if args.no_race:
+        p = replace(p, race=False)
+    exp = vespo.build(protocol=p)
+    if args.only:
+        exp.cells = select(exp, args.only)
+    if args.plan:
+        for c in exp.cells:
+            print(c.name, " ".join(c.overrides))
+        print(f"{len(exp.cells)} cells; base: {' '.join(exp.base)}")
+        return
+    print(run_experiment(exp, args.out))
+    analysis.summarize(args.out, extend=vespo.extend)
+
+
+if __name__ == "__main__":  # the runner spawns a process per cell, which imports this file
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", default="runs/experiments/vespo-sweep", help="output directory (resumable)")
+    ap.add_argument("--task", choices=sorted(vespo.TASKS), help="testbed: Countdown steps or the long chains")
+    ap.add_argument("--ns", type=lambda s: tuple(int(x) for x in s.split(",")),
+                    help="comma-separated Ns, e.g. 1,4,64 (1 is the reference's)")
+    ap.add_argument("--opt-steps", type=int, help="optimizer steps per cell, for every N")
+    ap.add_argument("--eval-every", type=int, help="trainer-side evaluation every this many optimizer steps")
+    ap.add_argument("--prompts", type=int, help="prompts per optimizer mini-batch (x 8 samples)")
+    ap.add_argument("--lr", type=float, help="learning rate")
+    ap.add_argument("--seeds", type=int, help="seeds per group")
+    ap.add_argument("--reference-seeds", type=int, help="seeds of the N1 x grpo reference")
+    ap.add_argument("--no-race", action="store_true", help="leave out the fp8 asynchronous race")
+    ap.add_argument("--only", nargs="+", metavar="GROUP", help="keep these scenario:method groups, e.g. N64:sapo")
+    ap.add_argument("--plan", action="store_true", help="print the cells and exit")
+    main(ap.parse_args())
