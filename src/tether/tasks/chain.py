@@ -37,7 +37,7 @@ import zlib
 
 from tether.defaults import RL_SHARE
 from tether.errors import InputError
-from tether.tasks.base import Problem, Reward
+from tether.tasks.base import DrawnTask, Problem, Reward
 
 OPS = "+-*"
 # [0-9], not \d: \d also matches non-ASCII digits, which int() would accept.
@@ -83,11 +83,12 @@ def steps_right(text: str, start: int, ops: tuple[tuple[str, int], ...],
     return right, well_formed
 
 
-class ChainTask:
+class ChainTask(DrawnTask):
     """Left-to-right arithmetic chains from a seed, with an exact parse-only reward (module
     docstring)."""
 
     name = "chain"
+    RANGES = "the steps/operand/value ranges"
     # The knobs that shape the warm-start data (tether.models), hence the cached default model.
     WARMSTART_KNOBS = ("steps_min", "steps_max", "operand_max", "value_max", "rl_share")
 
@@ -144,20 +145,7 @@ class ChainTask:
         # K steps "a op b=c" at full width, K - 1 commas.
         self.max_response_chars = steps_max * (2 * width + 3) + steps_max - 1
         self.context = 2 * steps_max + 2 + self.max_response_chars + 1  # prompt, response, eos
-        rng = random.Random(f"chain/{seed}/eval")
-        self._eval: list[Problem] = []
-        seen: set[str] = set()
-        for _ in range(20 * eval_size + 1000):
-            if len(self._eval) == eval_size:
-                break
-            problem = self._draw(rng, f"chain-eval-{len(self._eval)}")
-            if problem.prompt not in seen:
-                seen.add(problem.prompt)
-                self._eval.append(problem)
-        else:
-            raise InputError(f"eval_size={eval_size}: only {len(self._eval)} distinct chains "
-                             "found; lower eval_size or widen steps/operand/value ranges")
-        self._eval_prompts = frozenset(seen)
+        self._build_eval(eval_size)
 
     def _draw(self, rng: random.Random, problem_id: str) -> Problem:
         value = start = rng.randint(1, self.operand_max)
@@ -174,34 +162,12 @@ class ChainTask:
         return Problem(id=problem_id, prompt=prompt, solution=chain_solution(start, ops),
                        meta={"start": start, "ops": ops})
 
-    def _draw_outside_eval(self, stream: str, problem_id: str, rl: bool) -> Problem:
-        rng = random.Random(stream)
-        for _ in range(1000):
-            problem = self._draw(rng, problem_id)
-            in_rl = zlib.crc32(problem.prompt.encode()) < self.rl_share * 2**32
-            if problem.prompt not in self._eval_prompts and (not self.rl_share or in_rl == rl):
-                return problem
-        raise InputError("draws keep landing in the held-out set or outside their share of "
-                         f"problems (rl_share={self.rl_share}); widen the ranges")
+    def _key(self, problem: Problem) -> str:
+        """The prompt: it determines the problem."""
+        return problem.prompt
 
-    def train_problem(self, index: int) -> Problem:
-        """The index-th RL training problem: a pure function of (seed, index), never held out."""
-        if index < 0:
-            raise ValueError(f"index must be >= 0, got {index}")
-        if self.train_size:
-            index %= self.train_size
-        return self._draw_outside_eval(f"chain/{self.seed}/train/{index}", f"chain-train-{index}", rl=True)
-
-    def warmstart_problem(self, index: int) -> Problem:
-        """The index-th warm-start problem: from the share RL never draws."""
-        if index < 0:
-            raise ValueError(f"index must be >= 0, got {index}")
-        return self._draw_outside_eval(f"chain/{self.seed}/warmstart/{index}",
-                                       f"chain-warmstart-{index}", rl=False)
-
-    def eval_problems(self) -> list[Problem]:
-        """The held-out problems (a fresh list; the problems themselves are shared)."""
-        return list(self._eval)
+    def _hash(self, key: str) -> int:
+        return zlib.crc32(key.encode())
 
     def reward(self, problem: Problem, response: str) -> Reward:
         """1 for the chain, `format_weight` for K well-formed steps that are not it, else 0."""

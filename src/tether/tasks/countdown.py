@@ -35,14 +35,13 @@ from __future__ import annotations
 
 import functools
 import random
-import zlib
 from collections import Counter
 from collections.abc import Callable, Iterable
 from typing import TypeVar
 
 from tether.defaults import RL_SHARE
 from tether.errors import InputError
-from tether.tasks.base import Problem, Reward
+from tether.tasks.base import MAX_DRAWS, DrawnTask, Problem, Reward
 from tether.tasks.expr import ExprFailure, ExprLimits, evaluate_expr
 from tether.tasks.steps import Chain, evaluate_steps
 
@@ -58,8 +57,6 @@ MAX_NUMBERS = 5
 ANSWERS = ("expr", "steps")
 """How a response writes its answer: one expression, or a chain of steps."""
 
-MAX_DRAWS = 1000
-"""Draws of numbers tried for one problem before the ranges are declared impossible."""
 
 # Precedence of an expression's top operator, for printing with minimal parentheses.
 _ATOM, _PRODUCT, _SUM = 3, 2, 1
@@ -175,10 +172,11 @@ def uses_given_numbers(literals: tuple[int, ...], numbers: tuple[int, ...]) -> b
     return not Counter(literals) - Counter(numbers)
 
 
-class CountdownTask:
+class CountdownTask(DrawnTask):
     """Countdown problems from a seed, with an exact parse-only reward (see module docstring)."""
 
     name = "countdown"
+    RANGES = "the number/target ranges"
     # The knobs that shape the warm-start data (tether.models), hence the cached default model.
     WARMSTART_KNOBS = ("num_numbers", "num_min", "num_max", "target_min", "target_max", "use_all",
                        "answer", "rl_share")
@@ -291,8 +289,7 @@ class CountdownTask:
             max_literal_digits=digits,
             max_magnitude=max(10**12, (num_max + 1) ** (2 * num_numbers)),
         )
-        self._eval = self._build_eval(eval_size)
-        self._eval_keys = frozenset(_key(p) for p in self._eval)
+        self._build_eval(eval_size)
 
     def _draw(self, rng: random.Random, problem_id: str) -> Problem:
         """A problem with numbers and a reachable target in range, drawn from `rng`."""
@@ -316,57 +313,9 @@ class CountdownTask:
             f"in {MAX_DRAWS} tries; widen the ranges"
         )
 
-    def _build_eval(self, eval_size: int) -> list[Problem]:
-        rng = random.Random(f"countdown/{self.seed}/eval")
-        problems: list[Problem] = []
-        keys: set[tuple[tuple[int, ...], int]] = set()
-        draws = 0
-        while len(problems) < eval_size:
-            draws += 1
-            if draws > 20 * eval_size + MAX_DRAWS:
-                raise InputError(
-                    f"eval_size={eval_size}: only {len(problems)} distinct problems found in "
-                    f"{draws - 1} draws; lower eval_size or widen the number/target ranges"
-                )
-            problem = self._draw(rng, f"countdown-eval-{len(problems)}")
-            if _key(problem) not in keys:
-                keys.add(_key(problem))
-                problems.append(problem)
-        return problems
-
-    def train_problem(self, index: int) -> Problem:
-        """The index-th RL training problem: drawn from a stream seeded by (seed, index) only,
-        from the RL share of problems (`rl_share`), never a held-out one."""
-        if index < 0:
-            raise ValueError(f"index must be >= 0, got {index}")
-        if self.train_size:
-            index %= self.train_size
-        return self._draw_outside_eval(f"countdown/{self.seed}/train/{index}",
-                                       f"countdown-train-{index}", rl=True)
-
-    def warmstart_problem(self, index: int) -> Problem:
-        """The index-th problem of the warm start's solutions: the share RL never draws."""
-        if index < 0:
-            raise ValueError(f"index must be >= 0, got {index}")
-        return self._draw_outside_eval(f"countdown/{self.seed}/warmstart/{index}",
-                                       f"countdown-warmstart-{index}", rl=False)
-
-    def _draw_outside_eval(self, stream: str, problem_id: str, rl: bool) -> Problem:
-        rng = random.Random(stream)
-        for _ in range(MAX_DRAWS):
-            problem = self._draw(rng, problem_id)
-            key = _key(problem)
-            if key not in self._eval_keys and (not self.rl_share or _is_rl(key, self.rl_share) == rl):
-                return problem
-        raise InputError(
-            f"draws keep landing in the held-out set ({len(self._eval_keys)} problems) or outside "
-            f"their share of problems (rl_share={self.rl_share}); lower eval_size or widen the "
-            f"number/target ranges"
-        )
-
-    def eval_problems(self) -> list[Problem]:
-        """The held-out problems (a fresh list; the problems themselves are shared)."""
-        return list(self._eval)
+    def _key(self, problem: Problem) -> tuple[tuple[int, ...], int]:
+        """(sorted numbers, target)."""
+        return tuple(sorted(problem.meta["numbers"])), problem.meta["target"]
 
     def reward(self, problem: Problem, response: str) -> Reward:
         """1 for a correct answer, `format_weight` for a well-formed miss, else 0."""
@@ -393,16 +342,6 @@ def _solutions(numbers: tuple[int, ...], use_all: bool, answer: str, target_min:
     """Target in [target_min, target_max] -> reference solution, for the sorted `numbers`."""
     find = reachable_steps if answer == "steps" else reachable
     return {v: s for v, s in find(numbers, use_all).items() if target_min <= v <= target_max}
-
-
-def _is_rl(key: tuple[tuple[int, ...], int], share: float) -> bool:
-    """Whether a problem belongs to the RL share: a stable hash of its key, not Python's."""
-    return zlib.crc32(repr(key).encode()) < share * 2**32
-
-
-def _key(problem: Problem) -> tuple[tuple[int, ...], int]:
-    """Identity of a problem for held-out de-duplication: (sorted numbers, target)."""
-    return tuple(sorted(problem.meta["numbers"])), problem.meta["target"]
 
 
 def _largest_reachable(count: int, number: int) -> int:
