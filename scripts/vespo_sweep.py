@@ -9,14 +9,17 @@ steps on 32 x 8 mini-batches, trainer-side evaluation every 16 optimizer steps (
 16), 3 seeds (5 for the N1 x grpo reference), the (k, lambda) ablation at the largest N, the
 fp8 asynchronous race, and the sequence-weight quantiles logged every step. Each flag
 replaces one of the protocol's numbers; `--only` keeps some groups (and the reference).
-Resumable like every experiment: rerun the same command. `tether report DIR` draws it,
+Resumable like every experiment: rerun the same command. With `--record DIR` the finished
+cells also accrue in a small committed record (metrics, done.json, probe log-probs, and the
+starting model once), which a later run on a fresh machine restores, and trains from, before
+it runs the rest. `tether report DIR` draws it,
 with the claims' verdicts. Hours of CPU on 2 cores: a command, never a test.
 """
 
 import argparse
 from dataclasses import replace
 
-from tether.experiments import analysis, run_experiment, select, vespo
+from tether.experiments import analysis, record, run_experiment, select, vespo
 
 
 def main(args: argparse.Namespace) -> None:
@@ -35,8 +38,16 @@ def main(args: argparse.Namespace) -> None:
             print(c.name, " ".join(c.overrides))
         print(f"{len(exp.cells)} cells; base: {' '.join(exp.base)}")
         return
-    print(run_experiment(exp, args.out))
-    analysis.summarize(args.out, extend=vespo.extend)
+    model = None
+    if args.record:
+        print(f"restored {len(record.restore(args.record, args.out))} recorded cells")
+        model = record.start_model(args.record)  # the record's own start, on every machine
+    try:
+        print(run_experiment(exp, args.out, model_path=model))
+        analysis.summarize(args.out, extend=vespo.extend)  # caches each cell's probe log-probs
+    finally:  # a stopped run still records the cells it finished (without their probe)
+        if args.record:
+            print(f"recorded {len(record.save(args.out, args.record))} cells in {args.record}")
 
 
 if __name__ == "__main__":  # the runner spawns a process per cell, which imports this file
@@ -53,5 +64,8 @@ if __name__ == "__main__":  # the runner spawns a process per cell, which import
     ap.add_argument("--reference-seeds", type=int, help="seeds of the N1 x grpo reference")
     ap.add_argument("--no-race", action="store_true", help="leave out the fp8 asynchronous race")
     ap.add_argument("--only", nargs="+", metavar="GROUP", help="keep these scenario:method groups, e.g. N64:sapo")
+    ap.add_argument("--record", metavar="DIR",
+                    help="a committed record of finished cells (experiments/record.py): restored "
+                         "into --out first, updated after; e.g. results/vespo-sweep")
     ap.add_argument("--plan", action="store_true", help="print the cells and exit")
     main(ap.parse_args())

@@ -13,6 +13,7 @@ import json
 import math
 import re
 from dataclasses import replace
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -20,7 +21,7 @@ import pytest
 from tether.cli import main
 from tether.config import load_config
 from tether.errors import InputError
-from tether.experiments import analysis, get, select, verdicts
+from tether.experiments import analysis, get, record, select, verdicts
 from tether.models import ensure_default_model
 
 from .conftest import TEST_CACHE
@@ -119,6 +120,23 @@ def test_quick_experiment_tables_resume_and_report(name, tmp_path, warm_model_di
 
     for g in json.loads((out / "summary.json").read_text())["groups"]:  # one entry per seed
         assert len(g["ess_below_0.5_per_seed"]) == len(g["leaves_band_per_seed"]) == g["seeds"]
+
+    # The committed record: restored on a fresh directory, it gives the same per-cell and
+    # per-group numbers without a final model, and the runner reruns none of its cells.
+    before = analysis.summarize(out)
+    assert sorted(record.save(out, tmp_path / "record")) == sorted(c.name for c in exp.cells)
+    assert not list((tmp_path / "record").rglob("final"))
+    recorded = Path(record.start_model(tmp_path / "record")) / "model.safetensors"
+    assert recorded.read_bytes() == (Path(model) / "model.safetensors").read_bytes()
+    fresh = tmp_path / "fresh"
+    (fresh / "cells" / exp.cells[0].name).mkdir(parents=True)  # a cell begun here, replaced
+    assert len(record.restore(tmp_path / "record", fresh)) == len(exp.cells)
+    after = analysis.summarize(fresh)
+    for key in ("cells", "groups"):
+        assert json.dumps(after[key], sort_keys=True) == json.dumps(before[key], sort_keys=True)
+    assert main(args[:4] + [str(fresh)] + args[5:]) == 0
+    assert json.loads((fresh / "timing.json").read_text())[-1]["cells_run"] == 0
+    assert record.restore(tmp_path / "record", fresh) == []  # nothing it lacks
 
     # A cell stopped mid-run (no done.json) is left out of the tables, and named.
     last = exp.cells[-1]
