@@ -126,6 +126,9 @@ def test_quick_experiment_tables_resume_and_report(name, tmp_path, warm_model_di
     before = analysis.summarize(out)
     assert sorted(record.save(out, tmp_path / "record")) == sorted(c.name for c in exp.cells)
     assert not list((tmp_path / "record").rglob("final"))
+    packed = {p: p.read_bytes() for p in (tmp_path / "record").rglob("*.gz")}
+    record.save(out, tmp_path / "record")  # an unchanged cell rewrites the same bytes
+    assert {p: p.read_bytes() for p in (tmp_path / "record").rglob("*.gz")} == packed
     recorded = Path(record.start_model(tmp_path / "record")) / "model.safetensors"
     assert recorded.read_bytes() == (Path(model) / "model.safetensors").read_bytes()
     fresh = tmp_path / "fresh"

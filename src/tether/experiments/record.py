@@ -32,28 +32,41 @@ def start_model(dest: str | Path) -> str | None:
 
 
 def save(out: str | Path, dest: str | Path) -> list[str]:
-    """Record every done cell of `out` in `dest` (overwriting its earlier record); return
+    """Record every done cell of `out` in `dest` (rewriting those it holds, byte for byte the
+    same unless the cell changed); keep the cells `dest` recorded that `out` lacks; return
     the names recorded."""
     out, dest = Path(out), Path(dest)
     if not (out / "experiment.json").is_file():  # stopped before the runner wrote its plan
         return []
-    names = []
-    for cell in sorted((out / "cells").glob("*/done.json")):
-        src, to = cell.parent, dest / "cells" / cell.parent.name
-        to.mkdir(parents=True, exist_ok=True)
-        for name in KEPT:
-            if (src / name).is_file():
-                shutil.copyfile(src / name, to / name)
-        with open(src / "metrics.jsonl", "rb") as f, gzip.open(to / "metrics.jsonl.gz", "wb", 9) as g:
-            shutil.copyfileobj(f, g)
-        names.append(src.name)
+    names = [cell.parent.name for cell in sorted((out / "cells").glob("*/done.json"))]
+    for name in names:
+        _copy_cell(out / "cells" / name, dest / "cells" / name, pack=True)
     meta = json.loads((out / "experiment.json").read_text())
     if start_model(dest) is None:
         shutil.copytree(meta["model_path"], dest / MODEL)
+    recorded = dest / "experiment.json"
+    earlier = json.loads(recorded.read_text())["cells"] if recorded.is_file() else []
     done = set(names)
-    meta["cells"] = [c for c in meta["cells"] if c["name"] in done]
-    (dest / "experiment.json").write_text(json.dumps(meta, indent=1))
+    meta["cells"] = ([c for c in earlier if c["name"] not in done]
+                     + [c for c in meta["cells"] if c["name"] in done])
+    recorded.write_text(json.dumps(meta, indent=1))
     return names
+
+
+def _copy_cell(src: Path, to: Path, pack: bool) -> None:
+    """Copy a cell's kept files; its metrics gzipped (`pack`, with no timestamp, so an
+    unchanged cell rewrites the same bytes) or back to plain JSON lines."""
+    to.mkdir(parents=True, exist_ok=True)
+    for name in KEPT:
+        if (src / name).is_file():
+            shutil.copyfile(src / name, to / name)
+    if pack:
+        with open(src / "metrics.jsonl", "rb") as f, open(to / "metrics.jsonl.gz", "wb") as raw, \
+                gzip.GzipFile(fileobj=raw, mode="wb", compresslevel=9, mtime=0) as g:
+            shutil.copyfileobj(f, g)
+    else:
+        with gzip.open(src / "metrics.jsonl.gz", "rb") as f, open(to / "metrics.jsonl", "wb") as g:
+            shutil.copyfileobj(f, g)
 
 
 def restore(dest: str | Path, out: str | Path) -> list[str]:
@@ -74,12 +87,7 @@ def restore(dest: str | Path, out: str | Path) -> list[str]:
             continue
         if to.exists():  # a cell begun here: the record's finished one replaces it
             shutil.rmtree(to)
-        to.mkdir(parents=True)
-        for name in KEPT:
-            if (src / name).is_file():
-                shutil.copyfile(src / name, to / name)
-        with gzip.open(src / "metrics.jsonl.gz", "rb") as f, open(to / "metrics.jsonl", "wb") as g:
-            shutil.copyfileobj(f, g)
+        _copy_cell(src, to, pack=False)
         if c["name"] not in known:
             meta["cells"].append(c)
         names.append(c["name"])
