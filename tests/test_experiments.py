@@ -134,6 +134,8 @@ def test_quick_experiment_tables_resume_and_report(name, tmp_path, warm_model_di
     fresh = tmp_path / "fresh"
     (fresh / "cells" / exp.cells[0].name).mkdir(parents=True)  # a cell begun here, replaced
     assert len(record.restore(tmp_path / "record", fresh)) == len(exp.cells)
+    assert json.loads((tmp_path / "record" / "experiment.json").read_text())["model_path"] == "model"
+    assert json.loads((fresh / "experiment.json").read_text())["model_path"] == record.start_model(tmp_path / "record")
     after = analysis.summarize(fresh)
     for key in ("cells", "groups"):
         assert json.dumps(after[key], sort_keys=True) == json.dumps(before[key], sort_keys=True)

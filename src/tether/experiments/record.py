@@ -49,6 +49,7 @@ def save(out: str | Path, dest: str | Path) -> list[str]:
     done = set(names)
     meta["cells"] = ([c for c in earlier if c["name"] not in done]
                      + [c for c in meta["cells"] if c["name"] in done])
+    meta["model_path"] = MODEL  # relative to the record: `restore` resolves it on each machine
     recorded.write_text(json.dumps(meta, indent=1))
     return names
 
@@ -78,7 +79,8 @@ def restore(dest: str | Path, out: str | Path) -> list[str]:
         return []
     record = json.loads((dest / "experiment.json").read_text())
     meta_path = out / "experiment.json"
-    meta = json.loads(meta_path.read_text()) if meta_path.is_file() else {**record, "cells": []}
+    meta = (json.loads(meta_path.read_text()) if meta_path.is_file()
+            else {**record, "model_path": start_model(dest), "cells": []})
     known = {c["name"] for c in meta["cells"]}
     names = []
     for c in record["cells"]:
