@@ -122,7 +122,9 @@ def test_a_ray_actor_places_its_engine_on_what_ray_gave_it_not_the_drivers_devic
 
 def test_bf16_training_scores_with_an_fp32_output_embedding():
     """bf16 autocast stops before the LM head: log-probs are the fp32 head's on the bf16
-    forward's hidden states, not those of bf16-rounded logits (off by ~1e-2 here)."""
+    forward's hidden states, not those of bf16-rounded logits (off by ~1e-2 here). The
+    hidden states come from the same forward as score_tokens' (shared prompts): a plain
+    forward sums in another order, which in bf16 moves log-probs by ~1e-3 on some CPUs."""
     model = build_tiny_model(21, seed=0).eval()
     g = torch.Generator().manual_seed(0)
     batch = collate([_rollout(torch.randint(2, 21, (6,), generator=g).tolist())
@@ -131,7 +133,7 @@ def test_bf16_training_scores_with_an_fp32_output_embedding():
     with torch.no_grad():
         got = score_tokens(model, batch, sampling, precision="bf16").logp
         with torch.autocast("cpu", dtype=torch.bfloat16):
-            hidden, _ = decode(model, batch.input_ids, batch.attention_mask)
+            hidden, _ = decode(model, batch.input_ids, batch.attention_mask, prompt_len=batch.prompt_len)
             rounded_logits = model.get_output_embeddings()(hidden)
         logits = model.get_output_embeddings()(hidden.float())
     P = batch.prompt_len

@@ -126,9 +126,15 @@ def test_quick_experiment_tables_resume_and_report(name, tmp_path, warm_model_di
     before = analysis.summarize(out)
     assert sorted(record.save(out, tmp_path / "record")) == sorted(c.name for c in exp.cells)
     assert not list((tmp_path / "record").rglob("final"))
-    packed = {p: p.read_bytes() for p in (tmp_path / "record").rglob("*.gz")}
-    record.save(out, tmp_path / "record")  # an unchanged cell rewrites the same bytes
-    assert {p: p.read_bytes() for p in (tmp_path / "record").rglob("*.gz")} == packed
+    def packed() -> dict[Path, bytes]:
+        return {p: p.read_bytes() for p in (tmp_path / "record").rglob("*") if p.suffix in (".gz", ".json")}
+    first = packed()
+    plan = out / "experiment.json"
+    meta = json.loads(plan.read_text())
+    plan.write_text(json.dumps({**meta, "cells": meta["cells"][::-1]}))  # a later run lists them otherwise
+    record.save(out, tmp_path / "record")  # unchanged cells rewrite the same bytes, the record its order
+    assert packed() == first
+    plan.write_text(json.dumps(meta))
     recorded = Path(record.start_model(tmp_path / "record")) / "model.safetensors"
     assert recorded.read_bytes() == (Path(model) / "model.safetensors").read_bytes()
     fresh = tmp_path / "fresh"
@@ -136,6 +142,7 @@ def test_quick_experiment_tables_resume_and_report(name, tmp_path, warm_model_di
     assert len(record.restore(tmp_path / "record", fresh)) == len(exp.cells)
     assert json.loads((tmp_path / "record" / "experiment.json").read_text())["model_path"] == "model"
     assert json.loads((fresh / "experiment.json").read_text())["model_path"] == record.start_model(tmp_path / "record")
+    assert (fresh / "probe.pt").read_bytes() == (out / "probe.pt").read_bytes()  # not re-sampled
     after = analysis.summarize(fresh)
     for key in ("cells", "groups"):
         assert json.dumps(after[key], sort_keys=True) == json.dumps(before[key], sort_keys=True)
@@ -388,6 +395,40 @@ def test_vespo_claims_are_computed_from_intervals():
     summary = _vespo_summary({**holds, ("N8", "vespo"): [0.05, 0.06, 0.05]})
     get("vespo").extend(None, summary)
     assert [c["verdict"] for c in summary["claims"] if c["scenario"] == "N8"] == ["not met", "not met"]
+
+
+def test_vespo_curve_table_averages_seeds_at_steps_every_group_evaluated(tmp_path):
+    """N = 1 evaluates every 16 optimizer steps, N = 64 every 64: the table keeps 0, 64, 128,
+    each a seed mean of the trainer-side metric; a longer run is thinned to CURVE_POINTS."""
+    vespo = get("vespo")
+
+    def write(name: str, every: int, values: list[float]) -> None:
+        (tmp_path / "cells" / name).mkdir(parents=True)
+        rows = [{"step": i, "version": every * i, "eval/accuracy_sampled": v} for i, v in enumerate(values)]
+        rows.insert(1, {"step": 1, "version": 1, "reward/mean": 0.5})  # a row without the metric
+        (tmp_path / "cells" / name / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+    write("N1__grpo__s0", 16, [0.2, 0.1, 0.3, 0.9, 0.4, 0.1, 0.1, 0.1, 0.6])
+    write("N1__grpo__s1", 16, [0.2, 0.3, 0.5, 0.9, 0.2, 0.1, 0.1, 0.1, 0.8])
+    write("N64__sapo__s0", 64, [0.2, 0.05, 0.01])
+    summary = {"trainer_metric": "eval/accuracy_sampled",
+               "cells": {n: {"scenario": n.split("__")[0], "method": n.split("__")[1]}
+                         for n in ("N1__grpo__s0", "N1__grpo__s1", "N64__sapo__s0")},
+               "groups": [{"scenario": "N1", "method": "grpo"}, {"scenario": "N64", "method": "sapo"}]}
+    rows = vespo.curve_table(tmp_path, summary)
+    assert rows[0] == {"scenario": "N1", "method": "grpo", "seeds": 2,
+                       "at/0": pytest.approx(0.2), "at/64": pytest.approx(0.3), "at/128": pytest.approx(0.7)}
+    assert rows[1] == {"scenario": "N64", "method": "sapo", "seeds": 1, "at/0": 0.2, "at/64": 0.05, "at/128": 0.01}
+    title, table, columns = vespo.tables({**summary, "claims": [], "curve": rows})[1]
+    assert "seed mean" in title and table is rows and columns[-1] == ("at/128", "step 128")
+    # N = 1 alone: its 9 evaluations at 0, 16, ..., 128 are kept (CURVE_POINTS = 9); 17 are thinned.
+    del summary["cells"]["N64__sapo__s0"], summary["groups"][1]
+    assert [k for k in vespo.curve_table(tmp_path, summary)[0] if k.startswith("at/")] == \
+        [f"at/{16 * i}" for i in range(9)]
+    write("N1__grpo__s2", 8, [0.5] * 17)  # alone, every 8 up to 128: thinned to 0, 16, ..., 128
+    summary["cells"] = {"N1__grpo__s2": {"scenario": "N1", "method": "grpo"}}
+    assert [k for k in vespo.curve_table(tmp_path, summary)[0] if k.startswith("at/")] == \
+        [f"at/{16 * i}" for i in range(9)]
 
 
 def test_an_out_dir_is_not_reused_under_other_settings(tmp_path, capsys):

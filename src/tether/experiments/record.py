@@ -6,6 +6,9 @@ log-probs. `save` copies those three (the metrics gzipped) from `OUT/cells/<name
 `DEST/cells/<name>/`, with `experiment.json`; `restore` puts them back into an output
 directory, so the runner skips those cells and `analysis.summarize` reports them beside new
 ones. Checkpoints and final models stay out: megabytes per cell, and the probe is cached.
+The probe set itself (`probe.pt`, 33 kB) goes in once: sampled afresh from the starting
+model on another CPU it could differ, and the cached log-probs would then score other
+responses.
 
 The starting model goes in once (`DEST/model`, about 9.5 MB for the tiny model): a warm
 start rebuilt on another machine is not bit-identical (its step-0 sampled accuracy on the
@@ -23,6 +26,7 @@ from pathlib import Path
 
 KEPT = ("done.json", "probe_logp.pt")
 MODEL = "model"
+PROBE = "probe.pt"  # analysis.make_probe's cache: the responses every cell's probe log-probs score
 
 
 def start_model(dest: str | Path) -> str | None:
@@ -44,11 +48,13 @@ def save(out: str | Path, dest: str | Path) -> list[str]:
     meta = json.loads((out / "experiment.json").read_text())
     if start_model(dest) is None:
         shutil.copytree(meta["model_path"], dest / MODEL)
+    if (out / PROBE).is_file() and not (dest / PROBE).is_file():
+        shutil.copyfile(out / PROBE, dest / PROBE)
     recorded = dest / "experiment.json"
     earlier = json.loads(recorded.read_text())["cells"] if recorded.is_file() else []
-    done = set(names)
-    meta["cells"] = ([c for c in earlier if c["name"] not in done]
-                     + [c for c in meta["cells"] if c["name"] in done])
+    done = {c["name"]: c for c in meta["cells"] if c["name"] in names}
+    meta["cells"] = ([done.pop(c["name"], c) for c in earlier]  # the recorded order kept, new cells after
+                     + list(done.values()))
     meta["model_path"] = MODEL  # relative to the record: `restore` resolves it on each machine
     recorded.write_text(json.dumps(meta, indent=1))
     return names
@@ -95,4 +101,6 @@ def restore(dest: str | Path, out: str | Path) -> list[str]:
         names.append(c["name"])
     out.mkdir(parents=True, exist_ok=True)
     meta_path.write_text(json.dumps(meta, indent=1))
+    if (dest / PROBE).is_file() and not (out / PROBE).is_file():
+        shutil.copyfile(dest / PROBE, out / PROBE)
     return names

@@ -128,6 +128,7 @@ RACE_METHODS = ("grpo", "sapo", "vespo", "vespo_rho")
 RACE_N, RACE_ETA = 4, 4  # the race: N mini-batches per rollout batch, admission bound eta
 
 CURVE_X = "version"  # the report's curves: optimizer steps, comparable across N
+CURVE_POINTS = 9  # the report's curve table: at most this many optimizer steps, first and last kept
 
 
 @dataclass(frozen=True)
@@ -237,6 +238,7 @@ def extend(out: Path | None, summary: dict) -> None:
     summary["claims"] = claims(summary)
     if out is not None:
         summary["weight_spread"] = weight_spread(Path(out), summary)
+        summary["curve"] = curve_table(Path(out), summary)
 
 
 def _n(scenario: str) -> int:
@@ -315,9 +317,32 @@ def weight_spread(out: Path, summary: dict) -> list[dict]:
     return rows
 
 
+def curve_table(out: Path, summary: dict) -> list[dict]:
+    """The curves' values: per group, the seed mean of the trainer-side metric at the
+    optimizer steps (`version`) where every finished cell evaluated (every 64 when N = 64
+    runs), thinned evenly to CURVE_POINTS; `at/<step>` keys."""
+    metric = summary.get("trainer_metric")
+    names = list(summary["cells"])
+    if metric is None or not names:
+        return []
+    points = {n: dict(zip(*(a.tolist() for a in series(cell_rows(out, n), metric, x=CURVE_X))))
+              for n in names}
+    steps = sorted(set.intersection(*(set(p) for p in points.values())))
+    if not steps:
+        return []
+    if len(steps) > CURVE_POINTS:  # thinned evenly, the first and the last kept
+        steps = [steps[round(i)] for i in np.linspace(0, len(steps) - 1, CURVE_POINTS)]
+    rows = []
+    for g in summary["groups"]:
+        own = [n for n, c in summary["cells"].items() if (c["scenario"], c["method"]) == (g["scenario"], g["method"])]
+        rows.append({"scenario": g["scenario"], "method": g["method"], "seeds": len(own),
+                     **{f"at/{s}": float(np.mean([points[n][s] for n in own])) for s in steps}})
+    return rows
+
+
 def tables(summary: dict) -> list[tuple[str, list[dict], list[tuple[str, str]]]]:
-    """The report's tables beside the groups': the claims' verdicts, and the sequence weights'
-    spread where it was logged."""
+    """The report's tables beside the groups': the claims' verdicts, the curves' values, and
+    the sequence weights' spread where it was logged."""
     spread_cols = [("scenario", "N"), ("method", "method")] + [
         (f"{k}/{s}/{part}", f"{label} {s} ({part} ¼)")
         for k, label in (("staleness/seq_log_ratio", "log W"), ("total/seq_log_ratio", "log W·ρ"),
@@ -328,6 +353,13 @@ def tables(summary: dict) -> list[tuple[str, list[dict], list[tuple[str, str]]]]
             summary.get("claims", []), [("claim", "claim"), ("scenario", "N"),
                                         ("value", "value [95%]"), ("bar", "bar"),
                                         ("verdict", "verdict")])]
+    if summary.get("curve"):
+        steps = [k for k in summary["curve"][0] if k.startswith("at/")]
+        title = (f"Trainer-side {summary['trainer_metric']}, seed mean, at optimizer steps "
+                 "every group evaluated (the curves' values):")
+        out.append((title, summary["curve"],
+                    [("scenario", "N"), ("method", "method"), ("seeds", "seeds")]
+                    + [(k, f"step {k[3:]}") for k in steps]))
     if summary.get("weight_spread"):  # only runs with diagnostics.seq_weights log them
         out.append((("Sequence weights over training (median over seeds and steps of each "
                      "quantile; diagnostics.seq_weights):"), summary["weight_spread"], spread_cols))
