@@ -24,9 +24,14 @@ def all_met(*verdicts: str) -> str:
     return "met" if all(v == "met" for v in verdicts) else "not met" if "not met" in verdicts else "unresolved"
 
 
+def seed_names(summary: dict, scenario: str, method: str) -> list[str]:
+    """The finished cells of one group, by name."""
+    return [n for n, c in summary["cells"].items() if (c["scenario"], c["method"]) == (scenario, method)]
+
+
 def seed_values(summary: dict, scenario: str, method: str, key: str) -> list:
     """A per-cell number of one group, one entry per finished seed."""
-    return [c[key] for c in summary["cells"].values() if (c["scenario"], c["method"]) == (scenario, method)]
+    return [summary["cells"][n][key] for n in seed_names(summary, scenario, method)]
 
 
 def contrast(summary: dict, scenario: str, a: str, b: str, key: str = "last3_trainer") -> dict | None:

@@ -78,7 +78,7 @@ import numpy as np
 
 from tether.experiments.analysis import bootstrap_ci, cell_rows, ratio, series
 from tether.experiments.runner import EVAL_SEED, Cell, Experiment
-from tether.experiments.verdicts import all_met, contrast, interval_verdict, seed_values
+from tether.experiments.verdicts import all_met, contrast, interval_verdict, seed_names, seed_values
 
 QUESTION = ("With a fixed optimizer mini-batch and N of them per rollout batch (more stale "
             "updates as N grows), which objective keeps the trained policy's reward, and does "
@@ -303,8 +303,7 @@ def weight_spread(out: Path, summary: dict) -> list[dict]:
     weight mass sits as a run goes (or collapses)."""
     rows = []
     for g in summary["groups"]:
-        names = [n for n, c in summary["cells"].items() if (c["scenario"], c["method"]) == (g["scenario"], g["method"])]
-        runs = [cell_rows(out, n) for n in names]
+        runs = [cell_rows(out, n) for n in seed_names(summary, g["scenario"], g["method"])]
         if not any(series(r, "objective/coef_seq/q50")[1].size for r in runs):
             continue
         row = {"scenario": g["scenario"], "method": g["method"]}
@@ -334,7 +333,7 @@ def curve_table(out: Path, summary: dict) -> list[dict]:
         steps = [steps[round(i)] for i in np.linspace(0, len(steps) - 1, CURVE_POINTS)]
     rows = []
     for g in summary["groups"]:
-        own = [n for n, c in summary["cells"].items() if (c["scenario"], c["method"]) == (g["scenario"], g["method"])]
+        own = seed_names(summary, g["scenario"], g["method"])
         rows.append({"scenario": g["scenario"], "method": g["method"], "seeds": len(own),
                      **{f"at/{s}": float(np.mean([points[n][s] for n in own])) for s in steps}})
     return rows
