@@ -251,9 +251,10 @@ def _retention(g: dict | None) -> str:
 
 def claims(summary: dict) -> list[dict]:
     """The paper's three claims, one row per N (> 1) or race, each verdict read from 95%
-    intervals: (1) vespo keeps >= KEEP of its twin while a baseline (grpo, gspo, sapo) does
-    not; (2) vespo - vespo_T and vespo - vespo_sqrtT (last-3) both > 0; (3) in the race,
-    vespo and vespo_rho keep >= KEEP while grpo or sapo does not."""
+    intervals: (1) vespo keeps >= KEEP of its twin while every baseline that ran (grpo, gspo,
+    sapo) does not, 'in part' when some of them keep it; (2) vespo - vespo_T and
+    vespo - vespo_sqrtT (last-3) both > 0; (3) in the race, vespo and vespo_rho keep >= KEEP
+    while grpo or sapo does not."""
     by = {(g["scenario"], g["method"]): g for g in summary["groups"]}
     rows = []
     for scen in dict.fromkeys(g["scenario"] for g in summary["groups"]):
@@ -264,17 +265,22 @@ def claims(summary: dict) -> list[dict]:
         degrade = [m for m in (("grpo", "sapo") if race else BASELINES) if (scen, m) in by]
         if all((scen, m) in by for m in stable) and degrade:
             keeps = [_retention(by[scen, m]) for m in stable]
-            drops = {m: _retention(by[scen, m]) for m in degrade}
-            some_drop = ("met" if "not met" in drops.values() else
-                         "not met" if all(v == "met" for v in drops.values()) else "unresolved")
-            verdict = all_met(*keeps, some_drop)
+            flip = {"met": "not met", "not met": "met"}  # below KEEP: the retention bar's converse
+            drops = [flip.get(_retention(by[scen, m]), "unresolved") for m in degrade]
+            # The race's baselines are its control, so one that drops is enough there; the
+            # N sweep's shape is that the others collapse, all of them.
+            some = "met" if "met" in drops else "not met" if set(drops) == {"not met"} else "unresolved"
+            verdict = all_met(*keeps, some if race else all_met(*drops))
+            if verdict != "met" and not race and all(v == "met" for v in keeps) and "met" in drops:
+                verdict = "in part"  # vespo holds and a baseline falls, but not each one
             value = "; ".join(f"{m} {by[scen, m]['vs_n1']:.2f}× [{by[scen, m]['vs_n1_lo']:.2f}, "
                               f"{by[scen, m]['vs_n1_hi']:.2f}] ({by[scen, m]['collapsed_trainer']} "
                               f"collapsed)" for m in (*stable, *degrade))
             rows.append({"claim": "vespo holds under mismatch and async" if race else
                          "vespo stable while grpo/gspo/sapo degrade as N grows", "scenario": scen,
-                         "value": value, "bar": f"{'/'.join(stable)} ≥ {KEEP:g}× twin, and a "
-                         f"baseline below it (95% intervals)", "verdict": verdict})
+                         "value": value, "bar": f"{'/'.join(stable)} ≥ {KEEP:g}× twin, and "
+                         f"{'a baseline' if race else 'each baseline'} below it (95% intervals)",
+                         "verdict": verdict})
         pairs = [contrast(summary, scen, "vespo", m) for m in NORMALISED]
         if not race and all(pairs):
             sides = [interval_verdict(c["difference_lo"], c["difference_hi"], lambda v: v > 0) for c in pairs]
