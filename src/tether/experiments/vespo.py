@@ -265,12 +265,13 @@ def claims(summary: dict) -> list[dict]:
         degrade = [m for m in (("grpo", "sapo") if race else BASELINES) if (scen, m) in by]
         if all((scen, m) in by for m in stable) and degrade:
             keeps = [_retention(by[scen, m]) for m in stable]
+            kept = [_retention(by[scen, m]) for m in degrade]
             flip = {"met": "not met", "not met": "met"}  # below KEEP: the retention bar's converse
-            drops = [flip.get(_retention(by[scen, m]), "unresolved") for m in degrade]
-            # The race's baselines are its control, so one that drops is enough there; the
-            # N sweep's shape is that the others collapse, all of them.
-            some = "met" if "met" in drops else "not met" if set(drops) == {"not met"} else "unresolved"
-            verdict = all_met(*keeps, some if race else all_met(*drops))
+            drops = [flip.get(v, "unresolved") for v in kept]
+            # The race's baselines are its control, so one that drops (not all keep) is enough
+            # there; the N sweep's shape is that the others collapse, all of them.
+            dropped = flip.get(all_met(*kept), "unresolved") if race else all_met(*drops)
+            verdict = all_met(*keeps, dropped)
             if verdict != "met" and not race and all(v == "met" for v in keeps) and "met" in drops:
                 verdict = "in part"  # vespo holds and a baseline falls, but not each one
             value = "; ".join(f"{m} {by[scen, m]['vs_n1']:.2f}× [{by[scen, m]['vs_n1_lo']:.2f}, "
