@@ -405,6 +405,13 @@ def test_vespo_claims_are_computed_from_intervals():
     summary = _vespo_summary({**holds, ("N8", "vespo"): [0.05, 0.06, 0.05]})
     get("vespo").extend(None, summary)
     assert [c["verdict"] for c in summary["claims"] if c["scenario"] == "N8"] == ["not met", "not met"]
+    # One seed of gspo and of ÷T: no interval, said in words, and neither verdict can be met.
+    summary = _vespo_summary({**holds, ("N8", "gspo"): [0.20], ("N8", "vespo_T"): [0.10]})
+    get("vespo").extend(None, summary)
+    first, second = (c for c in summary["claims"] if c["scenario"] == "N8")
+    assert "gspo 0.95× (no interval: 1 seed) (0 collapsed)" in first["value"] and first["verdict"] == "in part"
+    assert "vespo − vespo_T +0.110 (no interval: 1 seed)" in second["value"] and second["verdict"] == "unresolved"
+    assert "nan" not in first["value"] + second["value"]
 
 
 def test_vespo_curve_table_averages_seeds_at_steps_every_group_evaluated(tmp_path):

@@ -19,6 +19,13 @@ def interval_verdict(lo: float, hi: float, holds: Callable[[float], bool]) -> st
     return "met" if holds(lo) and holds(hi) else "not met" if not (holds(lo) or holds(hi)) else "unresolved"
 
 
+def interval_text(lo: float, hi: float, spec: str = ".2f") -> str:
+    """`[lo, hi]` in `spec`, or why there is none: a bootstrap over one seed a side is empty."""
+    if not (math.isfinite(lo) and math.isfinite(hi)):
+        return "(no interval: 1 seed)"
+    return f"[{lo:{spec}}, {hi:{spec}}]"
+
+
 def all_met(*verdicts: str) -> str:
     """Bars that must all hold: 'met' when every one is, 'not met' when any one is not."""
     return "met" if all(v == "met" for v in verdicts) else "not met" if "not met" in verdicts else "unresolved"

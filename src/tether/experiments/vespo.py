@@ -78,7 +78,14 @@ import numpy as np
 
 from tether.experiments.analysis import bootstrap_ci, cell_rows, ratio, series
 from tether.experiments.runner import EVAL_SEED, Cell, Experiment
-from tether.experiments.verdicts import all_met, contrast, interval_verdict, seed_names, seed_values
+from tether.experiments.verdicts import (
+    all_met,
+    contrast,
+    interval_text,
+    interval_verdict,
+    seed_names,
+    seed_values,
+)
 
 QUESTION = ("With a fixed optimizer mini-batch and N of them per rollout batch (more stale "
             "updates as N grows), which objective keeps the trained policy's reward, and does "
@@ -274,9 +281,9 @@ def claims(summary: dict) -> list[dict]:
             verdict = all_met(*keeps, dropped)
             if verdict != "met" and not race and all(v == "met" for v in keeps) and "met" in drops:
                 verdict = "in part"  # vespo holds and a baseline falls, but not each one
-            value = "; ".join(f"{m} {by[scen, m]['vs_n1']:.2f}× [{by[scen, m]['vs_n1_lo']:.2f}, "
-                              f"{by[scen, m]['vs_n1_hi']:.2f}] ({by[scen, m]['collapsed_trainer']} "
-                              f"collapsed)" for m in (*stable, *degrade))
+            value = "; ".join(f"{m} {by[scen, m]['vs_n1']:.2f}× "
+                              f"{interval_text(by[scen, m]['vs_n1_lo'], by[scen, m]['vs_n1_hi'])} "
+                              f"({by[scen, m]['collapsed_trainer']} collapsed)" for m in (*stable, *degrade))
             rows.append({"claim": "vespo holds under mismatch and async" if race else
                          "vespo stable while grpo/gspo/sapo degrade as N grows", "scenario": scen,
                          "value": value, "bar": f"{'/'.join(stable)} ≥ {KEEP:g}× twin, and "
@@ -287,7 +294,7 @@ def claims(summary: dict) -> list[dict]:
             sides = [interval_verdict(c["difference_lo"], c["difference_hi"], lambda v: v > 0) for c in pairs]
             rows.append({"claim": "÷T and ÷√T destabilise", "scenario": scen,
                          "value": "; ".join(f"vespo − {c['b']} {c['difference']:+.3f} "
-                                            f"[{c['difference_lo']:+.3f}, {c['difference_hi']:+.3f}]"
+                                            f"{interval_text(c['difference_lo'], c['difference_hi'], '+.3f')}"
                                             for c in pairs),
                          "bar": "vespo − each > 0 (last-3, 95% interval)",
                          "verdict": all_met(*sides)})
