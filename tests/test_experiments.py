@@ -409,8 +409,9 @@ def test_vespo_claims_are_computed_from_intervals():
     summary = _vespo_summary({**holds, ("N8", "gspo"): [0.20], ("N8", "vespo_T"): [0.10]})
     get("vespo").extend(None, summary)
     first, second = (c for c in summary["claims"] if c["scenario"] == "N8")
-    assert "gspo 0.95× (no interval: 1 seed) (0 collapsed)" in first["value"] and first["verdict"] == "in part"
-    assert "vespo − vespo_T +0.110 (no interval: 1 seed)" in second["value"] and second["verdict"] == "unresolved"
+    none = "(no interval: under 2 seeds a side)"
+    assert f"gspo 0.95× {none} (0 collapsed)" in first["value"] and first["verdict"] == "in part"
+    assert f"vespo − vespo_T +0.110 {none}" in second["value"] and second["verdict"] == "unresolved"
     assert "nan" not in first["value"] + second["value"]
 
 

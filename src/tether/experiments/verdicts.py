@@ -20,9 +20,10 @@ def interval_verdict(lo: float, hi: float, holds: Callable[[float], bool]) -> st
 
 
 def interval_text(lo: float, hi: float, spec: str = ".2f") -> str:
-    """`[lo, hi]` in `spec`, or why there is none: a bootstrap over one seed a side is empty."""
+    """`[lo, hi]` in `spec`, or why there is none: the bootstrap needs 2 seeds on each side
+    (a group with one seed, or with no N = 1 twin, has none)."""
     if not (math.isfinite(lo) and math.isfinite(hi)):
-        return "(no interval: 1 seed)"
+        return "(no interval: under 2 seeds a side)"
     return f"[{lo:{spec}}, {hi:{spec}}]"
 
 
