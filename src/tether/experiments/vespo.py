@@ -256,6 +256,12 @@ def _retention(g: dict | None) -> str:
     return "n/a" if g is None else interval_verdict(g["vs_n1_lo"], g["vs_n1_hi"], lambda v: v >= KEEP)
 
 
+def _kept_text(method: str, g: dict) -> str:
+    """`method 0.95× [lo, hi] (k collapsed)`: a group's retention, as a claim row quotes it."""
+    return (f"{method} {g['vs_n1']:.2f}× {interval_text(g['vs_n1_lo'], g['vs_n1_hi'])} "
+            f"({g['collapsed_trainer']} collapsed)")
+
+
 def claims(summary: dict) -> list[dict]:
     """The paper's three claims, one row per N (> 1) or race, each verdict read from 95%
     intervals: (1) vespo keeps >= KEEP of its twin while every baseline that ran (grpo, gspo,
@@ -281,9 +287,7 @@ def claims(summary: dict) -> list[dict]:
             verdict = all_met(*keeps, dropped)
             if verdict != "met" and not race and all(v == "met" for v in keeps) and "met" in drops:
                 verdict = "in part"  # vespo holds and a baseline falls, but not each one
-            value = "; ".join(f"{m} {by[scen, m]['vs_n1']:.2f}× "
-                              f"{interval_text(by[scen, m]['vs_n1_lo'], by[scen, m]['vs_n1_hi'])} "
-                              f"({by[scen, m]['collapsed_trainer']} collapsed)" for m in (*stable, *degrade))
+            value = "; ".join(_kept_text(m, by[scen, m]) for m in (*stable, *degrade))
             rows.append({"claim": "vespo holds under mismatch and async" if race else
                          "vespo stable while grpo/gspo/sapo degrade as N grows", "scenario": scen,
                          "value": value, "bar": f"{'/'.join(stable)} ≥ {KEEP:g}× twin, and "
