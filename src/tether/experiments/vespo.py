@@ -280,13 +280,13 @@ def claims(summary: dict) -> list[dict]:
             keeps = [_retention(by[scen, m]) for m in stable]
             kept = [_retention(by[scen, m]) for m in degrade]
             flip = {"met": "not met", "not met": "met"}  # below KEEP: the retention bar's converse
-            drops = [flip.get(v, "unresolved") for v in kept]
-            # The race's baselines are its control, so one that drops (not all keep) is enough
-            # there; the N sweep's shape is that the others collapse, all of them.
-            dropped = flip.get(all_met(*kept), "unresolved") if race else all_met(*drops)
-            verdict = all_met(*keeps, dropped)
-            if verdict != "met" and not race and all(v == "met" for v in keeps) and "met" in drops:
-                verdict = "in part"  # vespo holds and a baseline falls, but not each one
+            if race:  # its baselines are the control: one that drops (not all keep) is enough
+                verdict = all_met(*keeps, flip.get(all_met(*kept), "unresolved"))
+            else:  # the N sweep's shape is that the others collapse, all of them
+                drops = [flip.get(v, "unresolved") for v in kept]
+                verdict = all_met(*keeps, *drops)
+                if verdict != "met" and all(v == "met" for v in keeps) and "met" in drops:
+                    verdict = "in part"  # vespo holds and a baseline falls, but not each one
             value = "; ".join(_kept_text(m, by[scen, m]) for m in (*stable, *degrade))
             rows.append({"claim": "vespo holds under mismatch and async" if race else
                          "vespo stable while grpo/gspo/sapo degrade as N grows", "scenario": scen,
