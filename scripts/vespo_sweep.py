@@ -26,7 +26,8 @@ def main(args: argparse.Namespace) -> None:
     p = vespo.SWEEP
     changes = {"task": args.task, "ns": args.ns, "opt_steps": args.opt_steps,
                "eval_every": args.eval_every, "prompts": args.prompts, "lr": args.lr,
-               "seeds": args.seeds, "reference_seeds": args.reference_seeds}
+               "seeds": args.seeds, "reference_seeds": args.reference_seeds,
+               "race_n": args.race_n, "race_eta": args.race_eta}
     p = replace(p, **{k: v for k, v in changes.items() if v is not None})
     if args.no_race:
         p = replace(p, race=False)
@@ -63,6 +64,10 @@ if __name__ == "__main__":  # the runner spawns a process per cell, which import
     ap.add_argument("--seeds", type=int, help="seeds per group")
     ap.add_argument("--reference-seeds", type=int, help="seeds of the N1 x grpo reference")
     ap.add_argument("--no-race", action="store_true", help="leave out the fp8 asynchronous race")
+    ap.add_argument("--race-n", type=int, help=f"the race's N (default {vespo.RACE_N}; at most the largest N)")
+    ap.add_argument("--race-eta", type=int,
+                    help=f"the race's admission bound eta (default {vespo.RACE_ETA}); another "
+                         "names its group apart, e.g. N16_race_eta8")
     ap.add_argument("--only", nargs="+", metavar="GROUP", help="keep these scenario:method groups, e.g. N64:sapo")
     ap.add_argument("--record", metavar="DIR",
                     help="a committed record of finished cells (experiments/record.py): restored "

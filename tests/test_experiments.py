@@ -334,6 +334,12 @@ def test_full_matrices_are_the_documented_ones():
     assert keys["N4"] == ("rollout.prompts_per_step=128", "train.minibatches=4", "train.steps=128", "eval.every=4")
     assert keys["N64"] == ("rollout.prompts_per_step=2048", "train.minibatches=64", "train.steps=8", "eval.every=1")
     assert "diagnostics.seq_weights=true" in sweep.base
+    # A harder race is its own group: N = 16, eta = 8 never resumes into N4_race's cells.
+    hard = get("vespo").build(protocol=replace(get("vespo").SWEEP, race_n=16, race_eta=8))
+    (hard_race,) = {c.scenario for c in hard.cells if "_race" in c.scenario}
+    assert hard_race == "N16_race_eta8" and len(hard.cells) == len(sweep.cells)
+    assert {"loop.max_staleness=8", "train.minibatches=16"} <= set(next(
+        c for c in hard.cells if c.scenario == hard_race).overrides)
     chain = get("vespo").build(protocol=replace(get("vespo").SWEEP, task="chain"))
     assert "task.name=chain" in chain.base and "rollout.max_new_tokens=120" in chain.base
     assert load_config(None, chain.base + list(chain.cells[0].overrides)).task.name == "chain"
@@ -401,6 +407,10 @@ def test_vespo_claims_are_computed_from_intervals():
                               ("N4_race", "sapo"): [0.20, 0.21, 0.22]})
     get("vespo").extend(None, summary)
     assert [c["verdict"] for c in summary["claims"] if c["scenario"] == "N4_race"] == ["met"]
+    harder = _vespo_summary({k if k[0] != "N4_race" else ("N16_race_eta8", k[1]): v for k, v in holds.items()})
+    get("vespo").extend(None, harder)  # a harder race is read as a race: one row, its own bar
+    assert [c["claim"] for c in harder["claims"] if c["scenario"] == "N16_race_eta8"] == [
+        "vespo holds under mismatch and async"]
     # vespo falls with the baselines: the first claim is not met; ÷T above vespo: not met either.
     summary = _vespo_summary({**holds, ("N8", "vespo"): [0.05, 0.06, 0.05]})
     get("vespo").extend(None, summary)
@@ -413,6 +423,26 @@ def test_vespo_claims_are_computed_from_intervals():
     assert f"gspo 0.95× {none} (0 collapsed)" in first["value"] and first["verdict"] == "in part"
     assert f"vespo − vespo_T +0.110 {none}" in second["value"] and second["verdict"] == "unresolved"
     assert "nan" not in first["value"] + second["value"]
+
+
+def test_vespo_ablation_row_reads_each_variant_against_vespo():
+    """The (k, lambda) ablation: the shape matters when each variant's difference from vespo
+    excludes 0, in part for one, and does not when each lies within the reference's sigma."""
+    def verdict(flat: list[float], narrow: list[float]) -> dict:
+        summary = _vespo_summary({("N1", "grpo"): [0.20, 0.21, 0.22], ("N64", "vespo"): [0.20, 0.21, 0.20],
+                                  ("N64", "vespo_flat"): flat, ("N64", "vespo_narrow"): narrow})
+        get("vespo").extend(None, summary)
+        (row,) = [c for c in summary["claims"] if c["claim"] == "the (k, λ) shape matters"]
+        return row
+
+    apart = verdict([0.05, 0.06, 0.04], [0.25, 0.26, 0.25])  # below vespo, and above it
+    assert apart["verdict"] == "met" and apart["scenario"] == "N64"
+    assert apart["value"].startswith("vespo − vespo_flat +0.153 [+0.14")
+    assert "; vespo − vespo_narrow -0.050 [" in apart["value"]
+    assert verdict([0.05, 0.06, 0.04], [0.20, 0.21, 0.20])["verdict"] == "in part"
+    assert verdict([0.201, 0.205, 0.203], [0.20, 0.21, 0.20])["verdict"] == "not met"  # within +-0.01
+    assert verdict([0.10, 0.30, 0.20], [0.20, 0.21, 0.20])["verdict"] == "unresolved"
+    assert verdict([0.05], [0.20, 0.21, 0.20])["verdict"] == "unresolved"  # one seed: no interval
 
 
 def test_vespo_curve_table_averages_seeds_at_steps_every_group_evaluated(tmp_path):

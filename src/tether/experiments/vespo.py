@@ -60,13 +60,14 @@ Beside the default (`Experiment.extra`, run with `--only`, and in SWEEP):
 - the (k, lambda) ablation at the largest N: `vespo_flat` (k = lambda = 0, phi = 1: the
   same objective with no weight at all) and `vespo_narrow` (both 4x: the same peaks,
   k / lambda, at a quarter of the width);
-- the race (`RACE`): an fp8 generator in the asynchronous loop (one rollout worker,
-  admission bound eta = RACE_ETA) at N = RACE_N, where grpo, sapo, vespo and `vespo_rho`
-  (W = prod pi_theta / mu: `include_rho`, as the paper's fully-async script feeds the
-  rollout log-probs in as pi_old) train on what the race gives.
-`claims` computes the paper's three claims' verdicts from the 95% intervals (`tables`
-prints them in `tether report`); `diagnostics.seq_weights` logs log W and phi(W)
-quantiles every step, which the report's distribution table reads.
+- the race: an fp8 generator in the asynchronous loop (one rollout worker, admission bound
+  eta = RACE_ETA) at N = RACE_N (a Protocol's race_n and race_eta set a harder one), where
+  grpo, sapo, vespo and `vespo_rho` (W = prod pi_theta / mu: `include_rho`, as the paper's
+  fully-async script feeds the rollout log-probs in as pi_old) train on what the race gives.
+`claims` computes the paper's three claims' verdicts, and whether the ablated (k, lambda)
+matter, from the 95% intervals (`tables` prints them in `tether report`);
+`diagnostics.seq_weights` logs log W and phi(W) quantiles every step, which the report's
+distribution table reads.
 """
 
 from __future__ import annotations
@@ -132,7 +133,7 @@ BASELINES = ("grpo", "gspo", "sapo")  # the objectives the paper says degrade as
 NORMALISED = ("vespo_T", "vespo_sqrtT")  # the length normalisations it says destabilise
 ABLATION = ("vespo_flat", "vespo_narrow")
 RACE_METHODS = ("grpo", "sapo", "vespo", "vespo_rho")
-RACE_N, RACE_ETA = 4, 4  # the race: N mini-batches per rollout batch, admission bound eta
+RACE_N, RACE_ETA = 4, 4  # the race's defaults: N mini-batches per rollout batch, admission bound eta
 
 CURVE_X = "version"  # the report's curves: optimizer steps, comparable across N
 CURVE_POINTS = 9  # the report's curve table: at most this many optimizer steps, first and last kept
@@ -154,6 +155,8 @@ class Protocol:
     methods: tuple[str, ...] = ("grpo", "gspo", "sapo", "vespo", "vespo_T", "vespo_sqrtT")
     extra_methods: tuple[str, ...] = ABLATION  # at the largest N, outside the default
     race: bool = False  # the race rows in the matrix itself (else in `extra`)
+    race_n: int = RACE_N  # the race's N (at most the largest of `ns`)
+    race_eta: int = RACE_ETA  # the race's admission bound
     seq_weights: bool = False  # diagnostics.seq_weights: log W and phi(W) quantiles per step
 
 
@@ -183,6 +186,12 @@ def race_keys(eta: int) -> list[str]:
             f"loop.max_staleness={eta}"]
 
 
+def race_scenario(n: int, eta: int) -> str:
+    """`N4_race`, or `N16_race_eta8` away from the default bound: a harder race is its own
+    group, so a resumed run never takes its cells for the default race's."""
+    return f"N{n}_race" + ("" if eta == RACE_ETA else f"_eta{eta}")
+
+
 def build(quick: bool = False, seeds: int | None = None, protocol: Protocol = DEFAULT) -> Experiment:
     p = protocol
     if quick:  # 2 prompts x 4 samples per mini-batch, 4 optimizer steps, 16 held-out problems
@@ -208,10 +217,11 @@ def build(quick: bool = False, seeds: int | None = None, protocol: Protocol = DE
                 for seed in range(max(p.seeds, p.reference_seeds)) for scen, m, k in groups
                 if seed < (p.reference_seeds if (scen, m) == ("N1", "grpo") else p.seeds)]
 
-    top, race_n = max(p.ns), min(RACE_N, max(p.ns))
+    top, race_n = max(p.ns), min(p.race_n, max(p.ns))
+    race_name = race_scenario(race_n, p.race_eta)
     main = [(f"N{n}", m, keys(n)) for n in p.ns for m in p.methods if n > 1 or N1_TWIN[m] == m]
     side = [(f"N{top}", m, keys(top)) for m in p.extra_methods]
-    race = [(f"N{race_n}_race", m, keys(race_n) + tuple(race_keys(RACE_ETA))) for m in RACE_METHODS]
+    race = [(race_name, m, keys(race_n) + tuple(race_keys(p.race_eta))) for m in RACE_METHODS]
     cells = cells_of(main + side + race if p.race else main)
     notes = [(f"staleness N: a rollout batch of N optimizer mini-batches of {p.prompts} x {p.group} "
               f"responses; {p.opt_steps} optimizer steps for every N (train.steps = "
@@ -223,7 +233,7 @@ def build(quick: bool = False, seeds: int | None = None, protocol: Protocol = DE
              ("collapse: final trainer-side value < half its best; retention: last-3 mean over "
               "the N = 1 twin's, 95% interval over seeds"),
              "vespo: W = prod pi_theta/pi_old, without rho, as the paper's scripts (vespo_rho: with it)",
-             (f"N{race_n}_race: fp8 generator, asynchronous loop, 1 rollout worker, eta = {RACE_ETA}")]
+             f"{race_name}: fp8 generator, asynchronous loop, 1 rollout worker, eta = {p.race_eta}"]
     return Experiment("vespo", QUESTION, base, cells, ("N1", "grpo"), notes,
                       extra=[] if quick or p.race else cells_of(side + race))
 
@@ -267,13 +277,15 @@ def claims(summary: dict) -> list[dict]:
     intervals: (1) vespo keeps >= KEEP of its twin while every baseline that ran (grpo, gspo,
     sapo) does not, 'in part' when some of them keep it; (2) vespo - vespo_T and
     vespo - vespo_sqrtT (last-3) both > 0; (3) in the race, vespo and vespo_rho keep >= KEEP
-    while grpo or sapo does not."""
+    while grpo or sapo does not. Beside them, where the ABLATION ran: the (k, lambda) shape
+    matters when vespo - each variant excludes 0, 'in part' for one of the two, and does not
+    when each interval lies within +- the reference's last-3 sigma (a seed's noise)."""
     by = {(g["scenario"], g["method"]): g for g in summary["groups"]}
     rows = []
     for scen in dict.fromkeys(g["scenario"] for g in summary["groups"]):
         if _n(scen) == 1:
             continue
-        race = scen.endswith("_race")
+        race = "_race" in scen
         stable = ("vespo", "vespo_rho") if race else ("vespo",)
         degrade = [m for m in (("grpo", "sapo") if race else BASELINES) if (scen, m) in by]
         if all((scen, m) in by for m in stable) and degrade:
@@ -285,7 +297,7 @@ def claims(summary: dict) -> list[dict]:
             else:  # the N sweep's shape is that the others collapse, all of them
                 drops = [flip.get(v, "unresolved") for v in kept]
                 verdict = all_met(*keeps, *drops)
-                if verdict != "met" and all(v == "met" for v in keeps) and "met" in drops:
+                if verdict != "met" and all_met(*keeps) == "met" and "met" in drops:
                     verdict = "in part"  # vespo holds and a baseline falls, but not each one
             value = "; ".join(_kept_text(m, by[scen, m]) for m in (*stable, *degrade))
             rows.append({"claim": "vespo holds under mismatch and async" if race else
@@ -296,13 +308,24 @@ def claims(summary: dict) -> list[dict]:
         pairs = [contrast(summary, scen, "vespo", m) for m in NORMALISED]
         if not race and all(pairs):
             sides = [interval_verdict(c["difference_lo"], c["difference_hi"], lambda v: v > 0) for c in pairs]
-            rows.append({"claim": "÷T and ÷√T destabilise", "scenario": scen,
-                         "value": "; ".join(f"vespo − {c['b']} {c['difference']:+.3f} "
-                                            f"{interval_text(c['difference_lo'], c['difference_hi'], '+.3f')}"
-                                            for c in pairs),
-                         "bar": "vespo − each > 0 (last-3, 95% interval)",
-                         "verdict": all_met(*sides)})
+            rows.append({"claim": "÷T and ÷√T destabilise", "scenario": scen, "value": _differences(pairs),
+                         "bar": "vespo − each > 0 (last-3, 95% interval)", "verdict": all_met(*sides)})
+        ablated = [contrast(summary, scen, "vespo", m) for m in ABLATION]
+        if not race and all(ablated):
+            sigma = summary["reference_last3_sigma"]
+            apart = [c["difference_lo"] > 0 or c["difference_hi"] < 0 for c in ablated]
+            level = all(-sigma < c["difference_lo"] and c["difference_hi"] < sigma for c in ablated)
+            rows.append({"claim": "the (k, λ) shape matters", "scenario": scen, "value": _differences(ablated),
+                         "bar": f"vespo − each ≠ 0; not met: each within ±{sigma:.3f} (reference σ)",
+                         "verdict": "met" if all(apart) else "in part" if any(apart)
+                         else "not met" if level else "unresolved"})
     return rows
+
+
+def _differences(pairs: list[dict]) -> str:
+    """`vespo − vespo_T +0.024 [+0.007, +0.035]; ...`: contrasts as a claim row quotes them."""
+    return "; ".join(f"vespo − {c['b']} {c['difference']:+.3f} "
+                     f"{interval_text(c['difference_lo'], c['difference_hi'], '+.3f')}" for c in pairs)
 
 
 SPREAD_KEYS = ("staleness/seq_log_ratio", "total/seq_log_ratio", "objective/coef_seq")
