@@ -7,7 +7,8 @@
 Its defaults are experiments/vespo.py's SWEEP protocol: N in {1, 4, 8, 16, 64}, 512 optimizer
 steps on 32 x 8 mini-batches, trainer-side evaluation every 16 optimizer steps (every N above
 16), 3 seeds (5 for the N1 x grpo reference), the (k, lambda) ablation at the largest N, the
-fp8 asynchronous race, and the sequence-weight quantiles logged every step. Each flag
+fp8 asynchronous race, and the sequence-weight quantiles logged every step; `--task chain`
+starts from CHAIN instead (the long responses: N in {1, 16}, 256 optimizer steps). Each flag
 replaces one of the protocol's numbers; `--only` keeps some groups (and the reference).
 Resumable like every experiment: rerun the same command. With `--record DIR` the finished
 cells also accrue in a small committed record (metrics, done.json, probe log-probs, and the
@@ -23,8 +24,8 @@ from tether.experiments import analysis, record, run_experiment, select, vespo
 
 
 def main(args: argparse.Namespace) -> None:
-    p = vespo.SWEEP
-    changes = {"task": args.task, "ns": args.ns, "opt_steps": args.opt_steps,
+    p = vespo.CHAIN if args.task == "chain" else vespo.SWEEP
+    changes = {"ns": args.ns, "opt_steps": args.opt_steps,
                "eval_every": args.eval_every, "prompts": args.prompts, "lr": args.lr,
                "seeds": args.seeds, "reference_seeds": args.reference_seeds,
                "race_n": args.race_n, "race_eta": args.race_eta}
@@ -54,7 +55,10 @@ def main(args: argparse.Namespace) -> None:
 if __name__ == "__main__":  # the runner spawns a process per cell, which imports this file
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default="runs/experiments/vespo-sweep", help="output directory (resumable)")
-    ap.add_argument("--task", choices=sorted(vespo.TASKS), help="testbed: Countdown steps or the long chains")
+    ap.add_argument("--task", choices=sorted(vespo.TASKS), default="steps",
+                    help="testbed: Countdown steps (protocol SWEEP) or the long chains (protocol "
+                         "CHAIN: N in {1, 16}, 256 optimizer steps, grpo and vespo's length "
+                         "normalisations, no race)"),
     ap.add_argument("--ns", type=lambda s: tuple(int(x) for x in s.split(",")),
                     help="comma-separated Ns, e.g. 1,4,64 (1 is the reference's)")
     ap.add_argument("--opt-steps", type=int, help="optimizer steps per cell, for every N")

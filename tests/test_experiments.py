@@ -340,8 +340,14 @@ def test_full_matrices_are_the_documented_ones():
     assert hard_race == "N16_race_eta8" and len(hard.cells) == len(sweep.cells)
     assert {"loop.max_staleness=8", "train.minibatches=16"} <= set(next(
         c for c in hard.cells if c.scenario == hard_race).overrides)
-    chain = get("vespo").build(protocol=replace(get("vespo").SWEEP, task="chain"))
+    chain = get("vespo").build(protocol=get("vespo").CHAIN)
     assert "task.name=chain" in chain.base and "rollout.max_new_tokens=120" in chain.base
+    # Chains: the reference and N = 16 x {grpo, vespo, /T, /sqrt T}, 3 seeds each; the race beside.
+    assert chain.groups() == [("N1", "grpo"), ("N16", "grpo"), ("N16", "vespo"), ("N16", "vespo_T"),
+                              ("N16", "vespo_sqrtT")]
+    assert len(chain.cells) == 5 * 3 and {c.scenario for c in chain.extra} == {"N4_race"}
+    assert next(c for c in chain.cells if c.scenario == "N16").overrides[:3] == (
+        "rollout.prompts_per_step=512", "train.minibatches=16", "train.steps=16")
     assert load_config(None, chain.base + list(chain.cells[0].overrides)).task.name == "chain"
     keys = {c.scenario: c.overrides[:5] for c in vespo.cells if c.method == "grpo"}
     # Mini-batch 16 prompts x 8; 128 optimizer steps = 128 / N batches; eval every 64 of them.

@@ -2,7 +2,7 @@
 
 A `Protocol` holds a testbed's numbers (task, the Ns, optimizer steps, evaluation cadence,
 mini-batch, lr, seeds); DEFAULT is the matrix below, SWEEP the long N sweep that
-`scripts/vespo_sweep.py` runs (issue 30).
+`scripts/vespo_sweep.py` runs (issue 30), CHAIN its long-response sweep (`--task chain`).
 
 The paper's protocol (its scripts: optimizer mini-batch 256, rollout batch 256 x N, lr 1e-6,
 8 samples per prompt), scaled to the tiny testbed:
@@ -99,6 +99,7 @@ QUESTION = ("With a fixed optimizer mini-batch and N of them per rollout batch (
 LR = 1e-4
 WARMSTART_STEPS = 1200
 CHAIN_WARMSTART_STEPS = 360  # sampled held-out 0.70; 240 gave 0.04, 600 0.95 (docs/experiments.md)
+CHAIN_LR = 4e-5  # per-version k3 1.2e-4; the reference gains +0.034 in 256 steps (docs/experiments.md)
 
 # The testbeds' task keys and their cached warm starts, with a correctness-only reward, as the
 # paper's: at format_weight 0.1 the on-policy reference traded correct chains for well-formed
@@ -165,6 +166,11 @@ DEFAULT = Protocol()
 # 16 of them, a 32 x 8 mini-batch, the ablation and the race in the matrix.
 SWEEP = Protocol(ns=(1, 4, 8, 16, 64), opt_steps=512, eval_every=16, prompts=32, race=True,
                  seq_weights=True)
+# The long-response sweep on chains (60-111 tokens, where /T and /sqrt T differ most from the
+# true product): N in {1, 16}, the length normalisations and grpo, at CHAIN_LR, and 256
+# optimizer steps, as a chain step costs several Countdown steps (docs/experiments.md).
+CHAIN = replace(SWEEP, task="chain", ns=(1, 16), opt_steps=256, lr=CHAIN_LR, reference_seeds=3,
+                methods=("grpo", "vespo", "vespo_T", "vespo_sqrtT"), extra_methods=(), race=False)
 
 
 def staleness_keys(n: int, prompts: int, opt_steps: int, eval_every: int) -> list[str]:
