@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # The per-version token k3 of E-VESPO's testbed at each learning rate given (issue 13 asks
-# for about 1e-3; experiments/vespo.py LR records the result).
+# for about 1e-3; experiments/vespo.py LR records the result, CHAIN_LR on chains).
 #
 #   bash scripts/vespo-calibrate-lr.sh 1e-4 5e-5      (about 40 s per rate; runs/vespo_calib/)
 #   VESPO_PROTOCOL=SWEEP bash scripts/vespo-calibrate-lr.sh 2e-4   (the sweep's 32 x 8 mini-batch)
+#   VESPO_PROTOCOL=CHAIN bash scripts/vespo-calibrate-lr.sh 4e-5   (chains: about 200 s per rate)
 #
 # Each rate trains vespo for 8 rollout batches of two of the experiment's optimizer
 # mini-batches (N = 2) on its task keys and its cached warm start (built on first use,
