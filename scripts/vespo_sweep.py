@@ -24,7 +24,7 @@ from tether.experiments import analysis, record, run_experiment, select, vespo
 
 
 def main(args: argparse.Namespace) -> None:
-    p = vespo.CHAIN if args.task == "chain" else vespo.SWEEP
+    p = vespo.SWEEPS[args.task]
     changes = {"ns": args.ns, "opt_steps": args.opt_steps,
                "eval_every": args.eval_every, "prompts": args.prompts, "lr": args.lr,
                "seeds": args.seeds, "reference_seeds": args.reference_seeds,
@@ -55,7 +55,7 @@ def main(args: argparse.Namespace) -> None:
 if __name__ == "__main__":  # the runner spawns a process per cell, which imports this file
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default="runs/experiments/vespo-sweep", help="output directory (resumable)")
-    ap.add_argument("--task", choices=sorted(vespo.TASKS), default="steps",
+    ap.add_argument("--task", choices=sorted(vespo.SWEEPS), default="steps",
                     help="testbed: Countdown steps (protocol SWEEP) or the long chains (protocol "
                          "CHAIN: N in {1, 16}, 256 optimizer steps, grpo and vespo's length "
                          "normalisations, no race)"),

@@ -340,7 +340,8 @@ def test_full_matrices_are_the_documented_ones():
     assert hard_race == "N16_race_eta8" and len(hard.cells) == len(sweep.cells)
     assert {"loop.max_staleness=8", "train.minibatches=16"} <= set(next(
         c for c in hard.cells if c.scenario == hard_race).overrides)
-    chain = get("vespo").build(protocol=get("vespo").CHAIN)
+    assert set(get("vespo").SWEEPS) == set(get("vespo").TASKS)  # every testbed has its sweep (--task)
+    chain = get("vespo").build(protocol=get("vespo").SWEEPS["chain"])
     assert "task.name=chain" in chain.base and "rollout.max_new_tokens=120" in chain.base
     # Chains: the reference and N = 16 x {grpo, vespo, /T, /sqrt T}, 3 seeds each; the race beside.
     assert chain.groups() == [("N1", "grpo"), ("N16", "grpo"), ("N16", "vespo"), ("N16", "vespo_T"),

@@ -171,6 +171,7 @@ SWEEP = Protocol(ns=(1, 4, 8, 16, 64), opt_steps=512, eval_every=16, prompts=32,
 # optimizer steps, as a chain step costs several Countdown steps (docs/experiments.md).
 CHAIN = replace(SWEEP, task="chain", ns=(1, 16), opt_steps=256, lr=CHAIN_LR, reference_seeds=3,
                 methods=("grpo", "vespo", "vespo_T", "vespo_sqrtT"), extra_methods=(), race=False)
+SWEEPS = {p.task: p for p in (SWEEP, CHAIN)}  # scripts/vespo_sweep.py --task: each testbed's sweep
 
 
 def staleness_keys(n: int, prompts: int, opt_steps: int, eval_every: int) -> list[str]:
