@@ -266,6 +266,7 @@ def test_trainer_headline_prefers_sampled_accuracy():
     s = analysis.cell_stats(greedy)
     assert (s["trainer_metric"], s["final_trainer"]) == ("eval/accuracy", 0.25)
     assert s["best_trainer"] == 0.5 and not s["collapsed_trainer"]  # 0.25 is not below 0.5 / 2
+    assert s["lowest_trainer"] == 0.25
     assert math.isnan(s["final_reward_sampled"])
     sampled = [{**r, "eval/accuracy_sampled": 0.3 - 0.1 * i, "eval/reward_sampled": 0.4 - 0.1 * i}
                if "eval/accuracy" in r else r for i, r in enumerate(greedy)]
@@ -274,6 +275,7 @@ def test_trainer_headline_prefers_sampled_accuracy():
     # The last eval row (step 2, i = 2): 0.3 - 0.2 and 0.4 - 0.2; the batch reward stays 0.8-0.9.
     assert s["final_trainer"] == pytest.approx(0.1) and s["final_reward_sampled"] == pytest.approx(0.2)
     assert s["best_trainer"] == pytest.approx(0.3) and s["collapsed_trainer"]  # 0.1 < 0.3 / 2
+    assert s["lowest_trainer"] == pytest.approx(0.1)
     assert s["final_reward"] == 0.8  # generator-side: the last W = max(1, 2 // 4) = 1 step
 
 

@@ -27,7 +27,8 @@ Definitions (also in docs/experiments.md):
 - rare-token share: the largest `monitor/kl_share/rare` seen (the current-model monitor).
 - collapse: the smoothed reward (running mean over 5 steps) ends below half its best.
 - trainer-side collapse: the last trainer-side headline value below half the run's best
-  (step 0, the starting model, included); best trainer-side: that best.
+  (step 0, the starting model, included); best trainer-side: that best; lowest
+  trainer-side: the run's lowest evaluation, so a fall that recovers before the end shows.
 - staleness (versions): the run's mean over steps of how many versions the trainer was
   ahead of the weights that sampled the batch (`staleness/versions/mean` in the async
   loop, token-averaged within a step; `staleness/versions/batch` in the synchronous one);
@@ -142,6 +143,7 @@ def cell_stats(rows: list[dict]) -> dict[str, float | int | str | None]:
         # The mean of the last 3 evaluations: one evaluation's draws add their own noise.
         "last3_trainer": float(trainer[-3:].mean()) if len(trainer) else float("nan"),
         "best_trainer": float(trainer.max()) if len(trainer) else float("nan"),
+        "lowest_trainer": float(trainer.min()) if len(trainer) else float("nan"),
         "collapsed_trainer": bool(len(trainer) and trainer[-1] < 0.5 * trainer.max()),
         "final_reward_sampled": _last(rows, "eval/reward_sampled"),
         "ess_below_0.5_step": _first_below(rows, "staleness/ess/token", 0.5),
@@ -334,7 +336,7 @@ def summarize(out: Path, probe_tokens: int = 16,
                     "corr_second_moment", "corr_adv_second_moment", "numerical_k3",
                     "staleness_k3", "total_k3", "monitor_k3", "step_seconds", "probe_kl_to_ref", "best_reward_smoothed",
                     "mean_staleness", "max_staleness", "wall_seconds", "best_trainer",
-                    "last3_trainer"):
+                    "lowest_trainer", "last3_trainer"):
             g[key], g[key + "_std"] = _mean_std([m[key] for m in members])
         steps = [m["ess_below_0.5_step"] for m in members]
         g["ess_below_0.5_step"] = min((s for s in steps if s is not None), default=None)

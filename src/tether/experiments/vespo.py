@@ -32,6 +32,7 @@ The paper's protocol (its scripts: optimizer mini-batch 256, rollout batch 256 x
    generator is fp32, so rho = 1 anyway: all the mismatch here is staleness.
 6. Collapse, read at the largest N: the final trainer-side value below half its best
    (`collapsed_trainer`; the generator-side batch reward has only 2 points at N = 64).
+   The lowest trainer-side value (`lowest_trainer`) shows a fall that recovers by the end.
    Retention: a method's last-3 trainer-side mean over its N = 1 twin's (`vs_n1`, with a
    95% bootstrap interval over both sides' seeds) and the seeds that keep >= 80% of it
    (`kept_80`).
@@ -415,6 +416,7 @@ def tables(summary: dict) -> list[tuple[str, list[dict], list[tuple[str, str]]]]
 
 COLUMNS = [("scenario", "N"), ("method", "method"), ("seeds", "seeds"),
            ("last3_trainer", "last-3 trainer-side"), ("best_trainer", "best trainer-side"),
+           ("lowest_trainer", "lowest trainer-side"),
            ("collapsed_trainer", "collapsed seeds (trainer-side)"),
            ("n1_twin", "N = 1 twin"), ("vs_n1", "last-3 × N = 1 twin [95%]"),
            ("kept_80", "seeds ≥ 0.8× twin"),
