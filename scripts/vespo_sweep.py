@@ -56,9 +56,10 @@ if __name__ == "__main__":  # the runner spawns a process per cell, which import
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default="runs/experiments/vespo-sweep", help="output directory (resumable)")
     ap.add_argument("--task", choices=sorted(vespo.SWEEPS), default="steps",
-                    help="testbed: Countdown steps (protocol SWEEP) or the long chains (protocol "
-                         "CHAIN: N in {1, 16}, 256 optimizer steps, grpo and vespo's length "
-                         "normalisations, no race)"),
+                    help="testbed, each with its protocol: " + "; ".join(
+                        f"{name}: N in {{{', '.join(map(str, p.ns))}}}, {p.opt_steps} optimizer steps, "
+                        f"{', '.join(p.methods + p.extra_methods)}" + ("" if p.race else ", no race")
+                        for name, p in vespo.SWEEPS.items()))
     ap.add_argument("--ns", type=lambda s: tuple(int(x) for x in s.split(",")),
                     help="comma-separated Ns, e.g. 1,4,64 (1 is the reference's)")
     ap.add_argument("--opt-steps", type=int, help="optimizer steps per cell, for every N")

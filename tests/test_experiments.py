@@ -345,6 +345,7 @@ def test_full_matrices_are_the_documented_ones():
     assert set(get("vespo").SWEEPS) == set(get("vespo").TASKS)  # every testbed has its sweep (--task)
     chain = get("vespo").build(protocol=get("vespo").SWEEPS["chain"])
     assert "task.name=chain" in chain.base and "rollout.max_new_tokens=120" in chain.base
+    assert "stable to N = 16 " in chain.question and "stable to N = 64 " in sweep.question
     # Chains: the reference and N = 16 x {grpo, vespo, /T, /sqrt T}, 3 seeds each; the race beside.
     assert chain.groups() == [("N1", "grpo"), ("N16", "grpo"), ("N16", "vespo"), ("N16", "vespo_T"),
                               ("N16", "vespo_sqrtT")]

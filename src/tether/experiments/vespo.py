@@ -91,7 +91,7 @@ from tether.experiments.verdicts import (
 
 QUESTION = ("With a fixed optimizer mini-batch and N of them per rollout batch (more stale "
             "updates as N grows), which objective keeps the trained policy's reward, and does "
-            "VESPO stay stable to N = 64 without length normalisation?")
+            "VESPO stay stable to N = {top} without length normalisation?")
 
 # The issue asks for a per-version token k3 of about 1e-3 (scripts/vespo-calibrate-lr.sh):
 # 1.5e-4 gives 8.2e-4, but there the on-policy reference loses accuracy (0.182 -> 0.168, 5
@@ -242,7 +242,7 @@ def build(quick: bool = False, seeds: int | None = None, protocol: Protocol = DE
               "the N = 1 twin's, 95% interval over seeds"),
              "vespo: W = prod pi_theta/pi_old, without rho, as the paper's scripts (vespo_rho: with it)",
              f"{race_name}: fp8 generator, asynchronous loop, 1 rollout worker, eta = {p.race_eta}"]
-    return Experiment("vespo", QUESTION, base, cells, ("N1", "grpo"), notes,
+    return Experiment("vespo", QUESTION.format(top=top), base, cells, ("N1", "grpo"), notes,
                       extra=[] if quick or p.race else cells_of(side + race))
 
 
