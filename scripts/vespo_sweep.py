@@ -4,11 +4,10 @@
     .venv/bin/python scripts/vespo_sweep.py --out runs/experiments/vespo-sweep
     .venv/bin/python scripts/vespo_sweep.py --task chain --out runs/experiments/vespo-sweep-chain
 
-Its defaults are experiments/vespo.py's SWEEP protocol: N in {1, 4, 8, 16, 64}, 512 optimizer
-steps on 32 x 8 mini-batches, trainer-side evaluation every 16 optimizer steps (every N above
-16), 3 seeds (5 for the N1 x grpo reference), the (k, lambda) ablation at the largest N, the
-fp8 asynchronous race, and the sequence-weight quantiles logged every step; `--task chain`
-starts from CHAIN instead (the long responses: N in {1, 16}, 256 optimizer steps). Each flag
+Its defaults are the protocol of the chosen testbed (`--task`, experiments/vespo.py's SWEEPS;
+`--help` lists each one's Ns, optimizer steps and methods): mini-batches of 32 x 8, trainer-side
+evaluation every 16 optimizer steps, several seeds per group and more for the N1 x grpo
+reference, and the sequence-weight quantiles logged every step. Each flag
 replaces one of the protocol's numbers; `--only` keeps some groups (and the reference).
 Resumable like every experiment: rerun the same command. With `--record DIR` the finished
 cells also accrue in a small committed record (metrics, done.json, probe log-probs, and the
@@ -21,6 +20,17 @@ import argparse
 from dataclasses import replace
 
 from tether.experiments import analysis, record, run_experiment, select, vespo
+
+
+def task_help() -> str:
+    """One line per testbed of vespo.SWEEPS, from its protocol, so the help cannot go stale."""
+    lines = []
+    for name, p in vespo.SWEEPS.items():
+        ns = ", ".join(map(str, p.ns))
+        methods = ", ".join(p.methods + p.extra_methods)
+        lines.append(f"{name}: N in {{{ns}}}, {p.opt_steps} optimizer steps, {methods}"
+                     + ("" if p.race else ", no race"))
+    return "testbed, each with its protocol: " + "; ".join(lines)
 
 
 def main(args: argparse.Namespace) -> None:
@@ -55,11 +65,7 @@ def main(args: argparse.Namespace) -> None:
 if __name__ == "__main__":  # the runner spawns a process per cell, which imports this file
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default="runs/experiments/vespo-sweep", help="output directory (resumable)")
-    ap.add_argument("--task", choices=sorted(vespo.SWEEPS), default="steps",
-                    help="testbed, each with its protocol: " + "; ".join(
-                        f"{name}: N in {{{', '.join(map(str, p.ns))}}}, {p.opt_steps} optimizer steps, "
-                        f"{', '.join(p.methods + p.extra_methods)}" + ("" if p.race else ", no race")
-                        for name, p in vespo.SWEEPS.items()))
+    ap.add_argument("--task", choices=sorted(vespo.SWEEPS), default="steps", help=task_help())
     ap.add_argument("--ns", type=lambda s: tuple(int(x) for x in s.split(",")),
                     help="comma-separated Ns, e.g. 1,4,64 (1 is the reference's)")
     ap.add_argument("--opt-steps", type=int, help="optimizer steps per cell, for every N")

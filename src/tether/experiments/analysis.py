@@ -130,6 +130,7 @@ def cell_stats(rows: list[dict]) -> dict[str, float | int | str | None]:
         peak = int(sm.argmax())
         below = np.nonzero(sm[peak:] < 0.5 * best)[0]
         collapse_at = int(reward_steps[peak + below[0]]) if len(below) else None
+    best_trainer = float(trainer.max()) if len(trainer) else float("nan")
     return {
         "steps": len(reward),
         "final_reward": float(reward[-w:].mean()) if len(reward) else float("nan"),
@@ -142,9 +143,9 @@ def cell_stats(rows: list[dict]) -> dict[str, float | int | str | None]:
         "final_trainer": _last(rows, headline),
         # The mean of the last 3 evaluations: one evaluation's draws add their own noise.
         "last3_trainer": float(trainer[-3:].mean()) if len(trainer) else float("nan"),
-        "best_trainer": float(trainer.max()) if len(trainer) else float("nan"),
+        "best_trainer": best_trainer,
         "lowest_trainer": float(trainer.min()) if len(trainer) else float("nan"),
-        "collapsed_trainer": bool(len(trainer) and trainer[-1] < 0.5 * trainer.max()),
+        "collapsed_trainer": bool(len(trainer) and trainer[-1] < 0.5 * best_trainer),
         "final_reward_sampled": _last(rows, "eval/reward_sampled"),
         "ess_below_0.5_step": _first_below(rows, "staleness/ess/token", 0.5),
         "min_ess": float(ess.min()) if len(ess) else float("nan"),
