@@ -19,6 +19,7 @@ with the claims' verdicts. Hours of CPU on 2 cores: a command, never a test.
 import argparse
 from dataclasses import replace
 
+from tether.errors import InputError
 from tether.experiments import analysis, record, run_experiment, select, vespo
 
 
@@ -77,11 +78,15 @@ if __name__ == "__main__":  # the runner spawns a process per cell, which import
     ap.add_argument("--no-race", action="store_true", help="leave out the fp8 asynchronous race")
     ap.add_argument("--race-n", type=int, help=f"the race's N (default {vespo.RACE_N}; at most the largest N)")
     ap.add_argument("--race-eta", type=int,
-                    help=f"the race's admission bound eta (default {vespo.RACE_ETA}); another "
-                         "names its group apart, e.g. N16_race_eta8")
+                    help=f"the race's admission bound eta (default {vespo.RACE_ETA}), in optimizer "
+                         "steps: at least the race's N, or only one batch is in flight and nothing "
+                         "lags; another names its group apart, e.g. N16_race_eta32")
     ap.add_argument("--only", nargs="+", metavar="GROUP", help="keep these scenario:method groups, e.g. N64:sapo")
     ap.add_argument("--record", metavar="DIR",
                     help="a committed record of finished cells (experiments/record.py): restored "
                          "into --out first, updated after; e.g. results/vespo-sweep")
     ap.add_argument("--plan", action="store_true", help="print the cells and exit")
-    main(ap.parse_args())
+    try:
+        main(ap.parse_args())
+    except InputError as e:  # a bad protocol or --out: the message, not a traceback
+        ap.error(str(e))

@@ -336,12 +336,15 @@ def test_full_matrices_are_the_documented_ones():
     assert keys["N4"] == ("rollout.prompts_per_step=128", "train.minibatches=4", "train.steps=128", "eval.every=4")
     assert keys["N64"] == ("rollout.prompts_per_step=2048", "train.minibatches=64", "train.steps=8", "eval.every=1")
     assert "diagnostics.seq_weights=true" in sweep.base
-    # A harder race is its own group: N = 16, eta = 8 never resumes into N4_race's cells.
-    hard = get("vespo").build(protocol=replace(get("vespo").SWEEP, race_n=16, race_eta=8))
+    # A harder race is its own group: N = 16, eta = 32 never resumes into N4_race's cells.
+    hard = get("vespo").build(protocol=replace(get("vespo").SWEEP, race_n=16, race_eta=32))
     (hard_race,) = {c.scenario for c in hard.cells if "_race" in c.scenario}
-    assert hard_race == "N16_race_eta8" and len(hard.cells) == len(sweep.cells)
-    assert {"loop.max_staleness=8", "train.minibatches=16"} <= set(next(
+    assert hard_race == "N16_race_eta32" and len(hard.cells) == len(sweep.cells)
+    assert {"loop.max_staleness=32", "train.minibatches=16"} <= set(next(
         c for c in hard.cells if c.scenario == hard_race).overrides)
+    # eta under N admits one batch at a time: no lag at all, so the protocol refuses it.
+    with pytest.raises(InputError, match="race_eta=8 is under the race's N=16"):
+        get("vespo").build(protocol=replace(get("vespo").SWEEP, race_n=16, race_eta=8))
     assert set(get("vespo").SWEEPS) == set(get("vespo").TASKS)  # every testbed has its sweep (--task)
     chain = get("vespo").build(protocol=get("vespo").SWEEPS["chain"])
     assert "task.name=chain" in chain.base and "rollout.max_new_tokens=120" in chain.base
@@ -417,9 +420,9 @@ def test_vespo_claims_are_computed_from_intervals():
                               ("N4_race", "sapo"): [0.20, 0.21, 0.22]})
     get("vespo").extend(None, summary)
     assert [c["verdict"] for c in summary["claims"] if c["scenario"] == "N4_race"] == ["met"]
-    harder = _vespo_summary({k if k[0] != "N4_race" else ("N16_race_eta8", k[1]): v for k, v in holds.items()})
+    harder = _vespo_summary({k if k[0] != "N4_race" else ("N16_race_eta32", k[1]): v for k, v in holds.items()})
     get("vespo").extend(None, harder)  # a harder race is read as a race: one row, its own bar
-    assert [c["claim"] for c in harder["claims"] if c["scenario"] == "N16_race_eta8"] == [
+    assert [c["claim"] for c in harder["claims"] if c["scenario"] == "N16_race_eta32"] == [
         "vespo holds under mismatch and async"]
     # vespo falls with the baselines: the first claim is not met; ÷T above vespo: not met either.
     summary = _vespo_summary({**holds, ("N8", "vespo"): [0.05, 0.06, 0.05]})

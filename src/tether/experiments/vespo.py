@@ -78,6 +78,7 @@ from pathlib import Path
 
 import numpy as np
 
+from tether.errors import InputError
 from tether.experiments.analysis import bootstrap_ci, cell_rows, ratio, series
 from tether.experiments.runner import EVAL_SEED, Cell, Experiment
 from tether.experiments.verdicts import (
@@ -195,7 +196,7 @@ def race_keys(eta: int) -> list[str]:
 
 
 def race_scenario(n: int, eta: int) -> str:
-    """`N4_race`, or `N16_race_eta8` away from the default bound: a harder race is its own
+    """`N4_race`, or `N16_race_eta32` away from the default bound: a harder race is its own
     group, so a resumed run never takes its cells for the default race's."""
     return f"N{n}_race" + ("" if eta == RACE_ETA else f"_eta{eta}")
 
@@ -226,6 +227,12 @@ def build(quick: bool = False, seeds: int | None = None, protocol: Protocol = DE
                 if seed < (p.reference_seeds if (scen, m) == ("N1", "grpo") else p.seeds)]
 
     top, race_n = max(p.ns), min(p.race_n, max(p.ns))
+    if p.race_eta < race_n:  # measured: N16 at eta 8 ran with staleness 0 versions
+        raise InputError(
+            f"race_eta={p.race_eta} is under the race's N={race_n}: a batch takes N versions, so "
+            f"the admission rule keeps one batch in flight and the race never lags (a synchronous "
+            f"run with an fp8 generator); use race_eta >= {race_n} ({race_n}: one batch ahead, "
+            f"{2 * race_n}: two)")
     race_name = race_scenario(race_n, p.race_eta)
     main = [(f"N{n}", m, keys(n)) for n in p.ns for m in p.methods if n > 1 or N1_TWIN[m] == m]
     side = [(f"N{top}", m, keys(top)) for m in p.extra_methods]
