@@ -98,6 +98,8 @@ def test_config_refuses_what_async_cannot_mean():
         (["loop.partial=true"], "loop.mode=async"),
         (["loop.mode=async", "loop.max_staleness=2", "sync.policy=bounded:3"], "loop.max_staleness"),
         (["loop.mode=async", "loop.max_staleness=1", "sync.policy=every:3"], "every:K"),
+        # eta under N admits one batch at a time: the "race" would never overlap or lag
+        (["loop.mode=async", "loop.max_staleness=2", "train.minibatches=4"], "train.minibatches=4"),
     ]:
         with pytest.raises(ConfigError, match=culprit):
             load_config("configs/countdown.yaml", overrides)

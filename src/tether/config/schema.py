@@ -68,6 +68,16 @@ class Config(Node):
                 "generator in the synchronous loop; in async mode staleness comes from the race, "
                 "bounded by loop.max_staleness: set sync.lag=0"
             )
+        eta, n = self.loop.max_staleness, self.train.minibatches
+        if self.loop.mode == "async" and 0 < eta < n:  # measured: N16 at eta 8 lagged 0 versions
+            raise CrossFieldError(
+                ["loop.max_staleness", "train.minibatches", "loop.mode"],
+                f"loop.max_staleness={eta} with train.minibatches={n} and loop.mode=async: a "
+                f"batch takes {n} versions, so under {n} no second batch is admitted while one is "
+                "in flight; the workers never generate while the trainer trains and nothing "
+                f"lags; set loop.max_staleness >= {n} ({n}: one batch ahead, {2 * n}: two), or 0 "
+                "(with loop.window_min=0) to take turns on purpose"
+            )
         if self.loop.partial and self.rollout.engine != "hf":
             raise CrossFieldError(
                 ["loop.partial", "rollout.engine"],

@@ -216,8 +216,10 @@ class LoopConfig(Node):
         1, ge=0,
         description="async: admission bound eta. A worker starts a batch only if its training "
         "will start at most eta versions after the weights it samples with (AReaL's "
-        "max_head_offpolicyness); nothing is generated only to be thrown away. With "
-        "window=ess, the ceiling of the window the ESS governs.",
+        "max_head_offpolicyness); nothing is generated only to be thrown away. Versions "
+        "count optimizer steps, so overlap needs eta >= train.minibatches (0 < eta < "
+        "minibatches is refused: it never overlaps). With window=ess, the ceiling of the "
+        "window the ESS governs.",
     )
     window: Literal["fixed", "ess"] = Field(
         "fixed",
