@@ -146,8 +146,14 @@ def test_quick_experiment_tables_resume_and_report(name, tmp_path, warm_model_di
     after = analysis.summarize(fresh)
     for key in ("cells", "groups"):
         assert json.dumps(after[key], sort_keys=True) == json.dumps(before[key], sort_keys=True)
+    # A slice rerun into the directory keeps the earlier plan's notes beside its own.
+    meta = json.loads((fresh / "experiment.json").read_text())
+    head = meta["notes"][0].split(": ", 1)[0]
+    earlier = meta["notes"] + [f"{head}: an earlier wording", "X: an earlier slice's group"]
+    (fresh / "experiment.json").write_text(json.dumps({**meta, "notes": earlier}))
     assert main(args[:4] + [str(fresh)] + args[5:]) == 0
     assert json.loads((fresh / "timing.json").read_text())[-1]["cells_run"] == 0
+    assert json.loads((fresh / "experiment.json").read_text())["notes"] == meta["notes"] + ["X: an earlier slice's group"]
     assert record.restore(tmp_path / "record", fresh) == []  # nothing it lacks
 
     # A cell stopped mid-run (no done.json) is left out of the tables, and named.

@@ -217,6 +217,11 @@ def run_experiment(exp: Experiment, out: str | Path, workers: int = 2,
         earlier = [Cell(c["scenario"], c["method"], c["seed"], tuple(c["overrides"]))
                    for c in old["cells"] if c["name"] not in known]
         exp.cells = earlier + exp.cells
+        # Their notes too, keyed by a note's head ("N4_race: ..."): an earlier slice's line
+        # (another race's settings) still describes cells the report reads; this plan's
+        # line replaces an earlier one with the same head (another reference seed count).
+        heads = {n.split(": ", 1)[0] for n in exp.notes}
+        exp.notes = exp.notes + [n for n in old.get("notes", []) if n.split(": ", 1)[0] not in heads]
     start_model = resolve_start_model(exp.base, model_path)
     meta = {"name": exp.name, "question": exp.question, "base": exp.base,
             "reference": list(exp.reference), "notes": exp.notes, "model_path": start_model,
