@@ -30,9 +30,9 @@ from tether.models import load_model
 from tether.models.tokenizer import encode_exact
 from tether.rollout.hf import HFGenerator
 from tether.rollout.types import SamplingParams
-from tether.step import score_old
+from tether.scoring import collate, score_at_versions, token_logprobs
 from tether.tasks import build_task
-from tether.trainer import Trainer, collate, token_logprobs
+from tether.trainer import Trainer
 
 ASYNC = ["run.progress=false", "run.threads=1", "rollout.prompts_per_step=4",
          "rollout.group_size=4", "rollout.max_new_tokens=12", "task.eval_size=16",
@@ -141,7 +141,7 @@ def test_pi_old_per_row_and_per_token_version(two_versions, tokenizer):
     for ro in rollouts[:2]:
         ro.token_versions = [0] * 3 + [1] * (len(ro.response_ids) - 3)
     batch = collate(rollouts, tok.pad_token_id)
-    logp, _, _ = score_old(trainer, batch, models.__getitem__)
+    logp, _, _ = score_at_versions(trainer, batch, models.__getitem__)
     # Reference: every version's rows scored separately with that version's model.
     for v, model in models.items():
         rows = ((batch.token_versions == v) & batch.response_mask.bool()).any(1).nonzero().squeeze(1)
@@ -155,7 +155,7 @@ def test_pi_old_per_row_and_per_token_version(two_versions, tokenizer):
         assert torch.allclose(logp[sel], whole[sel], atol=1e-5, rtol=0)
     # A batch of one version is one forward over the whole batch, as before.
     single = collate(rollouts[2:6], tok.pad_token_id)
-    assert torch.equal(score_old(trainer, single, models.__getitem__)[0],
+    assert torch.equal(score_at_versions(trainer, single, models.__getitem__)[0],
                        trainer.score_old(single, v0)[0])
 
 
@@ -184,7 +184,7 @@ def test_partial_rollout_samples_each_token_from_its_version(two_versions):
     for a, b in zip(rollouts, switched):  # same seed: identical until the switch
         assert a.response_ids[:4] == b.response_ids[:4]
     batch = collate(long, tok.pad_token_id)
-    logp, _, _ = score_old(trainer, batch, {0: v0, 1: trainer.model}.__getitem__)
+    logp, _, _ = score_at_versions(trainer, batch, {0: v0, 1: trainer.model}.__getitem__)
     mask = batch.response_mask.bool()
     assert torch.allclose(logp[mask], batch.logp_rollout[mask], atol=1e-5, rtol=0)
     wrong, _ = token_logprobs(v0, batch, SAMPLING)  # scored at one version: a visible error

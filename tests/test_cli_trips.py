@@ -161,10 +161,10 @@ def _default(fn, name):
 
 def test_library_defaults_match_the_config_defaults():
     from tether.evaluate import greedy_accuracy, heldout_scores
-    from tether.models import ensure_default_model
     from tether.monitor import current_model_monitor
     from tether.rollout import SamplingParams
     from tether.tasks import CountdownTask
+    from tether.testbed import ensure_default_model
 
     cfg = Config()
     sampling = {f.name: f.default for f in dataclasses.fields(SamplingParams)}
@@ -291,8 +291,8 @@ def test_diagnostics_off_for_an_engine_without_weights_say_so_once(caplog, rando
     from tether.config import DiagnosticsConfig
     from tether.models import build_tiny_model
     from tether.rollout.types import SamplingParams
+    from tether.scoring import RolloutTensors
     from tether.step import Diagnostics
-    from tether.trainer import RolloutTensors
 
     moe = build_tiny_model(21, moe=True, seed=0)
     diagnose = Diagnostics(DiagnosticsConfig(monitor_every=1), moe, SamplingParams(), [[3, 4]], 1, 0, 8)

@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import torch
 
+import tether.scoring.logprobs
 import tether.trainer.core
-import tether.trainer.scoring
 from tether.config import TrainConfig, load_config
 from tether.logger import read_jsonl
 from tether.loops import train
 from tether.rollout.types import Rollout, SamplingParams
-from tether.trainer import Trainer, collate, group_advantages, score_batch
+from tether.scoring import collate, score_batch
+from tether.trainer import Trainer, group_advantages
 
 SHORT = ["train.steps=3", "rollout.prompts_per_step=4", "rollout.group_size=4",
          "rollout.max_new_tokens=8", "eval.every=0", "eval.samples=0", "eval.batch_size=8",
@@ -42,7 +43,7 @@ def test_lagged_decoupled_run_scores_pi_prox_at_the_current_weights(
     monkeypatch.setattr(tether.trainer.core, "build_estimator",
                         lambda *a, **k: recorders.append(Recording(build(*a, **k))) or recorders[-1])
     forwards = []  # no-grad forwards inside each train_on
-    monkeypatch.setattr(tether.trainer.scoring, "score_batch",
+    monkeypatch.setattr(tether.scoring.logprobs, "score_batch",
                         lambda *a, **k: forwards.append(1) or score_batch(*a, **k))
     steps = []  # per train_on: (trainer version, batch, a manual no-grad score now, forwards)
     train_on = Trainer.train_on
@@ -101,7 +102,7 @@ def test_current_batch_needs_no_pi_prox_forward(random_model, monkeypatch):
     batch = collate([_rollout(version=0, group=0, ids=[3, 4, 1]),
                      _rollout(version=0, group=0, ids=[5, 1, 1])], pad_id=0)
     forwards = []
-    monkeypatch.setattr(tether.trainer.scoring, "score_batch",
+    monkeypatch.setattr(tether.scoring.logprobs, "score_batch",
                         lambda *a, **k: forwards.append(1) or score_batch(*a, **k))
     trainer.train_on(batch, torch.tensor([1.0, -1.0]), None, None)
     assert forwards == [] and recording.seen[0].logp_prox is None

@@ -18,9 +18,9 @@ from tether.errors import InputError
 from tether.models import build_tiny_model
 from tether.models.routing import add_router_noise, pad_routes, route, routers
 from tether.rollout.types import Rollout, SamplingParams
+from tether.scoring import collate, decode, process_logits, score_tokens
 from tether.setup import actor_config, configure_numerics, vllm_memory
-from tether.trainer import Trainer, collate, group_advantages
-from tether.trainer.scoring import decode, process_logits, score_tokens
+from tether.trainer import Trainer, group_advantages
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -11,7 +11,7 @@ from tether.diagnostics import decompose, divergence_metrics, mismatch_metrics, 
 from tether.monitor import current_model_monitor
 from tether.rollout.hf import HFGenerator
 from tether.rollout.types import SamplingParams
-from tether.trainer import collate
+from tether.scoring import collate
 
 LN2 = math.log(2.0)
 

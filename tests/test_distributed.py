@@ -22,8 +22,9 @@ from tether.models import load_model
 from tether.models.tokenizer import encode_exact
 from tether.rollout.hf import HFGenerator
 from tether.run import sampling_params
+from tether.scoring import collate, token_logprobs
 from tether.tasks import build_task
-from tether.trainer import Trainer, collate, group_advantages, token_logprobs
+from tether.trainer import Trainer, group_advantages
 
 SETTINGS = ["rollout.prompts_per_step=4", "rollout.group_size=4", "rollout.max_new_tokens=12",
             "train.micro_batch=3", "train.lr=1e-4", "run.threads=1"]

@@ -15,9 +15,10 @@ from transformers import AutoModelForCausalLM
 from tether.config import load_config
 from tether.logger import read_jsonl
 from tether.loops import train
-from tether.models import build_char_tokenizer, ensure_default_model
-from tether.models.warmstart import sft_batch
+from tether.models import build_char_tokenizer
 from tether.tasks import ALPHABET, CountdownTask
+from tether.testbed import ensure_default_model
+from tether.testbed.warmstart import sft_batch
 
 STEPS = 16
 

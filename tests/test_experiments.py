@@ -22,7 +22,7 @@ from tether.cli import main
 from tether.config import load_config
 from tether.errors import InputError
 from tether.experiments import analysis, get, record, select, verdicts
-from tether.models import ensure_default_model
+from tether.testbed import ensure_default_model
 
 from .conftest import TEST_CACHE
 

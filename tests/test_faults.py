@@ -24,7 +24,7 @@ import pytest
 
 from tests.race_gates import wait_until
 from tether.cli import main
-from tether.models import ensure_default_model
+from tether.testbed import ensure_default_model
 
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 SMALL = ["run.progress=false", "run.threads=1", "rollout.prompts_per_step=4",

@@ -101,7 +101,8 @@ def test_repeated_bad_steps_stop_with_a_checkpoint_and_exit_3(warm_model_dir, tm
 def test_bad_inputs_to_the_loss_are_named(random_model, bad):
     from tether.config import TrainConfig
     from tether.rollout.types import Rollout, SamplingParams
-    from tether.trainer import Trainer, collate
+    from tether.scoring import collate
+    from tether.trainer import Trainer
 
     trainer = Trainer(random_model, TrainConfig(), SamplingParams(n=2, max_new_tokens=3))
     rollouts = [Rollout("p", 0, [2, 3], [4, 5], [-1.0, -1.0], 0, "hf", "fp32", "stop", reward=r)

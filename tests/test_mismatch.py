@@ -14,9 +14,13 @@ from tether.models.tokenizer import encode_exact
 from tether.rollout.hf import HFGenerator
 from tether.rollout.numerics import apply_numerics, fp8_targets, quantize_fp8
 from tether.rollout.types import SamplingParams
+from tether.scoring import collate, token_logprobs
 from tether.tasks import build_task
-from tether.trainer import Trainer, collate, group_advantages, token_logprobs
-from tether.weights import InProcessPublisher, SnapshotStore, Synchronizer, parse_sync_policy
+from tether.trainer import Trainer, group_advantages
+from tether.weights import parse_sync_policy
+from tether.weights.publisher import InProcessPublisher
+from tether.weights.snapshots import SnapshotStore
+from tether.weights.synchronizer import Synchronizer
 
 SAMPLING = SamplingParams(n=4, max_new_tokens=12)
 PROMPTS = 8  # x 4 samples = 32 sequences a step
@@ -239,7 +243,7 @@ def test_logit_noise_outliers_move_whole_positions():
 
 
 def test_moe_architecture_knobs_enter_the_cache_key_only_when_set():
-    from tether.models import default_model_dir
+    from tether.testbed import default_model_dir
 
     task = {"num_numbers": 3}
     # the default architecture keeps the key it had before the knobs existed

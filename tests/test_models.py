@@ -6,9 +6,10 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from tether.models import build_tiny_model, load_model, warm_start
+from tether.models import build_tiny_model, load_model
 from tether.models.tokenizer import encode_exact
 from tether.tasks import ALPHABET, CountdownTask
+from tether.testbed import warm_start
 
 
 def test_char_tokenizer_is_21_tokens_and_round_trips(tokenizer, tmp_path):
@@ -59,3 +60,38 @@ def test_warm_start_is_deterministic_and_learns(tokenizer):
     assert runs[0] == runs[1]
     assert runs[0][-1] < runs[0][0]
     assert set(ALPHABET) <= set(tokenizer.get_vocab())
+
+
+def test_a_default_model_build_prints_its_progress_as_lines_on_its_threads(tmp_path, capsys,
+                                                                          monkeypatch):
+    """Output to a file (not a terminal): what is built, on how many threads (`run.threads`,
+    which the process gets back after), then a line per step's progress."""
+    import json
+
+    from tether.testbed import default_model
+
+    seen = []
+    real = default_model.warm_start
+    monkeypatch.setattr(default_model, "warm_start",
+                        lambda *a, **k: seen.append(torch.get_num_threads()) or real(*a, **k))
+    before = torch.get_num_threads()  # 1 in tests (conftest): ask for another count
+    out = default_model.ensure_default_model(str(tmp_path), warmstart_steps=3,
+                                             threads=before + 1)
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith("building tether's tiny dense model once: 3 warm-start steps "
+                               f"on {before + 1} thread(s)")
+    assert [x.split(" loss ")[0] for x in lines[1:]] == [f"warm-start step {s}/3" for s in (1, 2, 3)]
+    assert seen == [before + 1] and torch.get_num_threads() == before
+    assert json.loads((out / "tether_build.json").read_text())["threads"] == before + 1
+
+
+def test_build_progress_prints_a_line_per_twentieth_of_the_steps_and_the_last(capsys):
+    from tether.testbed.default_model import build_progress
+
+    report = build_progress(910)  # a line every round(910 * 0.05) = 46 steps, and at 910
+    for step in range(1, 911):
+        report(step, 2.0 if step <= 46 else 1.0)
+    lines = capsys.readouterr().out.splitlines()
+    assert [int(x.split()[2].split("/")[0]) for x in lines] == [*range(46, 911, 46), 910]
+    assert lines[0].startswith("warm-start step 46/910 loss 2.0000 ")  # the mean since the last line
+    assert lines[1].startswith("warm-start step 92/910 loss 1.0000 ") and "s left" in lines[1]

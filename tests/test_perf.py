@@ -7,14 +7,15 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+import tether.scoring.logprobs
 import tether.step
-import tether.trainer.scoring
 from tether.config import TrainConfig, load_config
 from tether.logger import read_jsonl
 from tether.loops import train
 from tether.models import build_tiny_model
 from tether.rollout.types import Rollout, SamplingParams
-from tether.trainer import Trainer, collate, group_advantages, score_batch
+from tether.scoring import collate, score_batch
+from tether.trainer import Trainer, group_advantages
 
 SHORT = ["train.steps=3", "rollout.prompts_per_step=4", "rollout.group_size=4",
          "rollout.max_new_tokens=8", "eval.every=0", "eval.samples=0", "eval.batch_size=8",
@@ -32,8 +33,8 @@ def test_pi_old_from_the_training_forward_changes_nothing(warm_model_dir, tmp_pa
         return rows, load_file(result_dir / "final/model.safetensors")
 
     scored = []
-    score_old = tether.step.score_old
-    monkeypatch.setattr(tether.step, "score_old",
+    score_old = tether.step.score_at_versions
+    monkeypatch.setattr(tether.step, "score_at_versions",
                         lambda *a: scored.append(1) or score_old(*a))
     fast_rows, fast_weights = run("reuse")
     assert not scored  # no old-logprob forward was run
@@ -86,7 +87,7 @@ def test_no_tokens_by_vocabulary_logits_in_a_training_step(monkeypatch):
     trainer = Trainer(model, TrainConfig(estimator="dlc", micro_batch=B), sampling)
     adv = group_advantages(torch.randn(B), batch.group_ids, True)
     full = score_batch(model, batch, sampling, micro_batch=B)  # one chunk: every token
-    monkeypatch.setitem(tether.trainer.scoring.LOGIT_CHUNK_ELEMENTS, "cpu", 16 * V)  # 16 tokens a chunk
+    monkeypatch.setitem(tether.scoring.logprobs.LOGIT_CHUNK_ELEMENTS, "cpu", 16 * V)  # 16 tokens a chunk
     chunked = score_batch(model, batch, sampling, micro_batch=B)
     torch.testing.assert_close(chunked.logp, full.logp, rtol=0, atol=1e-5)
     torch.testing.assert_close(chunked.topk, full.topk, rtol=0, atol=1e-5)
@@ -174,17 +175,17 @@ def test_shared_prompts_and_length_buckets_are_the_plain_forward(random_model, m
                                     precision="fp32", finish_reason="stop"))
     batch = collate(rollouts, pad_id=0)
     sampling = SamplingParams(n=8)
-    monkeypatch.setattr(tether.trainer.scoring, "BUCKET_ROWS", 8)
+    monkeypatch.setattr(tether.scoring.logprobs, "BUCKET_ROWS", 8)
 
     def run() -> tuple[torch.Tensor, list[torch.Tensor], int]:
         random_model.zero_grad(set_to_none=True)
         with FlopCounterMode(display=False) as flops:
-            logp = tether.trainer.scoring.score_tokens(random_model, batch, sampling).logp
+            logp = tether.scoring.logprobs.score_tokens(random_model, batch, sampling).logp
             (logp * torch.linspace(-1, 1, logp.numel()).view_as(logp)).sum().backward()
         return logp.detach(), [p.grad.clone() for p in random_model.parameters()], flops.get_total_flops()
 
     fast, fast_grads, fast_flops = run()
-    monkeypatch.setattr(tether.trainer.scoring, "decode_shared_prompts", lambda *a: None)
+    monkeypatch.setattr(tether.scoring.logprobs, "decode_shared_prompts", lambda *a: None)
     plain, plain_grads, plain_flops = run()
     torch.testing.assert_close(fast, plain, rtol=0, atol=2e-6)
     for a, b in zip(fast_grads, plain_grads, strict=True):

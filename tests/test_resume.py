@@ -41,7 +41,10 @@ from tether.logger import read_jsonl
 from tether.rollout.hf import HFGenerator
 from tether.rollout.types import SamplingParams
 from tether.trainer import Trainer
-from tether.weights import InProcessPublisher, SnapshotStore, Synchronizer, parse_sync_policy
+from tether.weights import parse_sync_policy
+from tether.weights.publisher import InProcessPublisher
+from tether.weights.snapshots import SnapshotStore
+from tether.weights.synchronizer import Synchronizer
 
 STEPS = 8
 RUN = [

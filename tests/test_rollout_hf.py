@@ -9,7 +9,7 @@ import torch
 
 from tether.rollout.hf import HFGenerator, process_logits
 from tether.rollout.types import Rollout, SamplingParams
-from tether.trainer import collate, token_logprobs
+from tether.scoring import collate, token_logprobs
 
 PROMPTS = [[2, 3, 4], [5, 6], [7, 8, 9, 10, 11]]
 

@@ -17,13 +17,14 @@ from tether.diagnostics import compare_routes, decompose, divergence_metrics
 from tether.inspection import inspect_run
 from tether.logger import read_jsonl
 from tether.loops import train
-from tether.models import build_tiny_model, ensure_default_model
+from tether.models import build_tiny_model
 from tether.models.routing import route, routers, routes_dtype
 from tether.rollout.hf import HFGenerator
 from tether.rollout.types import SamplingParams
 from tether.run import check_routing_replay
-from tether.step import score_old
-from tether.trainer import Trainer, collate, group_advantages, score_tokens, token_logprobs
+from tether.scoring import collate, score_at_versions, score_tokens, token_logprobs
+from tether.testbed import ensure_default_model
+from tether.trainer import Trainer, group_advantages
 
 from .conftest import TEST_CACHE
 
@@ -91,7 +92,7 @@ def test_gradients_reach_the_router_under_replay(moe, replay):
     trainer = Trainer(moe, TrainConfig(routing_replay=replay), SAMPLING)
     if replay == "r2":
         batch = replace(batch, routed_experts=None)
-    _, _, replayed = score_old(trainer, batch, lambda v: moe)
+    _, _, replayed = score_at_versions(trainer, batch, lambda v: moe)
     assert replayed.routed_experts is not None  # r3: the generator's; r2: logp_old's
     grads = _router_grads(moe, replayed)
     assert all(torch.isfinite(g).all() and g.abs().sum() > 0 for g in grads)
@@ -106,7 +107,7 @@ def test_r2_at_the_same_weights_changes_no_logprob(moe):
     base = token_logprobs(moe, batch, SAMPLING)[0]
     trainer = Trainer(moe, TrainConfig(routing_replay="r2", lr=1e-3), SAMPLING)
     state = {k: v.clone() for k, v in moe.state_dict().items()}
-    logp_old, _, replayed = score_old(trainer, batch, lambda v: moe)
+    logp_old, _, replayed = score_at_versions(trainer, batch, lambda v: moe)
     _, logp = trainer.train_on(replayed, group_advantages(batch.rewards, batch.group_ids, True),
                                logp_old, None)
     moe.load_state_dict(state)
@@ -201,7 +202,7 @@ def test_r2_on_a_partial_rollout_takes_each_position_from_its_token_version(moe)
         ro.token_versions = [0] * 3 + [1] * (len(ro.response_ids) - 3)
     batch = collate(rollouts, 0)
     trainer = Trainer(v1, TrainConfig(routing_replay="r2"), SAMPLING)
-    _, _, replayed = score_old(trainer, batch, {0: moe, 1: v1}.__getitem__)
+    _, _, replayed = score_at_versions(trainer, batch, {0: moe, 1: v1}.__getitem__)
     e, P = replayed.routed_experts, batch.prompt_len
     own0, own1 = (trainer.score(batch, m, record=True).experts for m in (moe, v1))
     n = len(rollouts[0].response_ids)

@@ -16,20 +16,21 @@ from tether.models import load_model
 from tether.models.tokenizer import encode_exact
 from tether.rollout.hf import HFGenerator
 from tether.rollout.types import SamplingParams
+from tether.scoring import collate
 from tether.tasks import build_task
-from tether.trainer import Trainer, collate, group_advantages
+from tether.trainer import Trainer, group_advantages
 from tether.weights import (
     BoundedK,
     EssTrigger,
     EveryK,
-    InProcessPublisher,
     ResyncK,
-    SnapshotStore,
-    Synchronizer,
     parse_sync_policy,
     resolve_policy_spec,
 )
 from tether.weights.gate import StalenessGate
+from tether.weights.publisher import InProcessPublisher
+from tether.weights.snapshots import SnapshotStore
+from tether.weights.synchronizer import Synchronizer
 
 # -- parsing ---------------------------------------------------------------------------------
 

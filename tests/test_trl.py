@@ -20,9 +20,8 @@ from tether.dump import dump_rows
 from tether.estimators import TokenBatch, build_estimator
 from tether.integrations.trl import TetherGRPOTrainer
 from tether.rollout.types import Rollout, SamplingParams
+from tether.scoring import collate, token_logprobs
 from tether.tasks import CountdownTask
-from tether.trainer import collate
-from tether.trainer.scoring import token_logprobs
 
 TASK = CountdownTask(format_weight=0.0)
 PROBLEMS = [TASK.train_problem(i) for i in range(64)]

@@ -15,8 +15,9 @@ from hypothesis import strategies as st
 from tether.config import load_config
 from tether.models import load_model
 from tether.rollout.types import Rollout
+from tether.scoring import collate
 from tether.setup import sampling_params
-from tether.trainer import Trainer, collate
+from tether.trainer import Trainer
 from tether.weights import delta
 from tether.weights.publisher import SharedMemoryPublisher, WeightSubscriber, pack
 from tether.weights.snapshots import SnapshotStore, compute_dtype_names

@@ -19,10 +19,11 @@ from tether.logger import read_jsonl
 from tether.loops import train
 from tether.models import load_model
 from tether.rollout.worker import RolloutEngine, WorkItem
+from tether.scoring import collate
 from tether.setup import sampling_params
 from tether.step import old_logprobs
-from tether.trainer import Trainer, collate
-from tether.weights import SnapshotStore
+from tether.trainer import Trainer
+from tether.weights.snapshots import SnapshotStore
 
 ASYNC = ["run.progress=false", "run.threads=1", "rollout.prompts_per_step=3",
          "rollout.group_size=2", "rollout.max_new_tokens=10", "task.eval_size=16",
@@ -110,8 +111,8 @@ def test_worker_pi_old_is_the_trainers(warm_model_dir, worker_threads):
 def test_trainer_runs_no_pi_old_forward_when_workers_score(warm_model_dir, tmp_path,
                                                            monkeypatch, where):
     scored = []
-    score_old = tether.step.score_old
-    monkeypatch.setattr(tether.step, "score_old", lambda *a: scored.append(1) or score_old(*a))
+    score_old = tether.step.score_at_versions
+    monkeypatch.setattr(tether.step, "score_at_versions", lambda *a: scored.append(1) or score_old(*a))
     run_dir = tmp_path / "run"
     train(_cfg(warm_model_dir, f"run.dir={run_dir}", "train.steps=4", "loop.max_staleness=2",
                f"loop.score_old={where}"))

@@ -36,7 +36,7 @@ from torch import nn
 from tether.estimators.base import SAFETY_BOUND
 from tether.estimators.metrics import ratio_metrics, to_floats
 from tether.models.routing import is_moe
-from tether.trainer import decode
+from tether.scoring import decode
 
 CAUSES = ("numerical", "staleness", "total")
 

@@ -27,7 +27,7 @@ from tether.defaults import RARE_PROB
 from tether.estimators.base import SAFETY_BOUND
 from tether.rollout.hf import sample_tokens
 from tether.rollout.types import Rollout, SamplingParams
-from tether.trainer import collate, token_logprobs
+from tether.scoring import collate, token_logprobs
 
 
 @torch.no_grad()

@@ -195,6 +195,7 @@ def probe(cfg: Config, batches: int = 2) -> ProbeResult:
     """Run the probe on `cfg`'s model, engine and numerics (see the module docstring)."""
     from tether.diagnostics import divergence_metrics, is_moe, routing_disagreement
     from tether.rollout.worker import rewarded_rollouts
+    from tether.scoring import LOGP_FLOOR, collate
     from tether.setup import (
         build_generator,
         build_task_and_reward,
@@ -203,7 +204,7 @@ def probe(cfg: Config, batches: int = 2) -> ProbeResult:
         sampling_seed,
         seed_process,
     )
-    from tether.trainer import LOGP_FLOOR, Trainer, collate, group_advantages
+    from tether.trainer import Trainer, group_advantages
     from tether.weights.policy import staleness_ess
 
     r = cfg.rollout

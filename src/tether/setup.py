@@ -23,13 +23,14 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from tether.config import Config, RolloutConfig, resolve_logprobs_topk
 from tether.errors import InputError
-from tether.models import ensure_default_model, load_model
+from tether.models import load_model
 from tether.models.routing import is_moe, routers
 from tether.rewards import build_reward_fn
 from tether.rollout.hf import HFGenerator
 from tether.rollout.types import Generator, SamplingParams
 from tether.tasks import task_from_config
 from tether.tasks.base import Task
+from tether.testbed import ensure_default_model
 
 
 def seed_process(cfg: Config) -> None:
@@ -82,7 +83,7 @@ def resolve_model_path(cfg: Config) -> Path:
     return ensure_default_model(cfg.model.cache_dir, cfg.model.moe, cfg.model.seed,
                                 cfg.model.warmstart_steps, cfg.task.model_dump(),
                                 moe_experts=cfg.model.moe_experts,
-                                moe_aux_loss=cfg.model.moe_aux_loss)
+                                moe_aux_loss=cfg.model.moe_aux_loss, threads=cfg.run.threads)
 
 
 def resolve_device(name: str) -> torch.device:

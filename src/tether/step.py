@@ -1,7 +1,8 @@
 """One training step on a rewarded batch: the part both loops share.
 
-    old_logprobs  pi_old per token, at the weight version that sampled it: the one producer
-                  (`score_old` scores, or the training forward gives it when that is the same)
+    old_logprobs  pi_old per token, at the weight version that sampled it: picks its source
+                  (the rollout worker's, the training forward's when that is the same, or
+                  tether.scoring.versions.score_at_versions over the trainer's kept versions)
     train_step    advantages, loss and optimizer step(s) (with pi_prox, scored by the trainer
                   for an estimator that reads it), batch metrics
     Diagnostics   the mismatch by cause, MoE routing, the current-model monitor
@@ -35,65 +36,13 @@ from tether.estimators.metrics import sequence_weight_metrics, to_floats
 from tether.models.routing import is_moe
 from tether.monitor import current_model_monitor
 from tether.rollout.types import Rollout, SamplingParams
+from tether.scoring import RolloutTensors, score_batch
+from tether.scoring.versions import ModelAt, score_at_versions
 from tether.tasks.base import is_correct
-from tether.trainer import (
-    RolloutTensors,
-    TokenScorer,
-    Trainer,
-    group_advantages,
-    mean_metrics,
-    score_batch,
-)
+from tether.trainer import Trainer, group_advantages, mean_metrics
 from tether.weights.snapshots import SnapshotStore
 
 log = logging.getLogger("tether.diagnostics")
-
-ModelAt = Callable[[int], nn.Module]  # weight version -> a model holding it
-
-
-def score_old(trainer: TokenScorer, batch: RolloutTensors,
-              model_at: ModelAt) -> tuple[torch.Tensor, torch.Tensor | None, RolloutTensors]:
-    """`logp_old` (B, T) and top-K (B, T, K): each token at the version that sampled it; and
-    the batch the training forwards are to score.
-
-    One no-grad forward per distinct version, over the rows holding a token of it (a row
-    of one version is scored once; a partial rollout's row once per version it spans).
-    The usual batch, sampled at one version, is one forward over the whole batch.
-    Routing replay R2 (`train.routing_replay=r2`): the returned batch carries the experts
-    these forwards chose (`routed_experts`), which the `logp` forwards then replay; a
-    partial rollout's position takes them from the version of the token it predicts.
-    Otherwise the batch is returned as it came (under R3 it carries the generator's).
-    `trainer`: the `Trainer`, or a rollout worker's `TokenScorer` (`loop.score_old=worker`).
-    """
-    r2 = trainer.cfg.routing_replay == "r2"
-    valid = batch.response_mask.bool()
-    distinct = batch.token_versions[valid].unique().tolist() or [int(batch.versions[0])]
-    if len(distinct) == 1:
-        s = trainer.score(batch, model_at(int(distinct[0])), record=r2)
-        return s.logp, s.topk, replace(batch, routed_experts=s.experts) if r2 else batch
-    logp = torch.zeros_like(batch.logp_rollout)
-    topk = None if batch.topk_ids is None else batch.topk_logp_rollout.new_zeros(batch.topk_ids.shape)
-    experts = None
-    P, T = batch.prompt_len, batch.response_ids.shape[1]
-    for v in distinct:
-        at_v = (batch.token_versions == v) & valid  # (B, T)
-        rows = at_v.any(dim=1).nonzero().squeeze(1)
-        s = trainer.score(batch.select(rows), model_at(int(v)), record=r2)
-        sel = at_v[rows]
-        logp[rows] = torch.where(sel, s.logp, logp[rows])
-        if topk is not None:
-            topk[rows] = torch.where(sel[..., None], s.topk, topk[rows])
-        if s.experts is not None:
-            if experts is None:
-                experts = s.experts.new_zeros((batch.input_ids.shape[0], *s.experts.shape[1:]))
-                fresh = valid.new_ones(batch.input_ids.shape[0])
-            first = fresh[rows]  # a row's prompt keeps the routing of its oldest version
-            experts[rows[first]] = s.experts[first]
-            fresh[rows] = False
-            at = sel.new_zeros(sel.shape[0], P + T)
-            at[:, P - 1:P + T - 1] = sel  # the positions that predict version v's tokens
-            experts[rows] = torch.where(at[..., None, None], s.experts, experts[rows])
-    return logp, topk, replace(batch, routed_experts=experts) if r2 else batch
 
 
 @dataclass
@@ -108,7 +57,7 @@ class OldLogprobs:
 
 def old_logprobs(trainer: Trainer, batch: RolloutTensors,
                  snapshots: SnapshotStore) -> tuple[OldLogprobs, RolloutTensors]:
-    """pi_old of `batch` and the batch the training forwards are to score (`score_old`):
+    """pi_old of `batch` and the batch the training forwards are to score (`score_at_versions`):
     as the rollout worker scored it (`loop.score_old=worker`: the same code at the same
     versions, off the trainer's critical path), or left to the training forward when that
     gives the same numbers without a forward of its own, or scored here at the versions
@@ -119,7 +68,7 @@ def old_logprobs(trainer: Trainer, batch: RolloutTensors,
     if reuses_training_forward(trainer, batch):
         return OldLogprobs(None, None), batch
     model_at = lambda v: trainer.model if v == trainer.version else snapshots.model_at(v)
-    logp, topk, batch = score_old(trainer, batch, model_at)
+    logp, topk, batch = score_at_versions(trainer, batch, model_at)
     return OldLogprobs(logp, topk), batch
 
 

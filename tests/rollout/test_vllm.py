@@ -22,8 +22,8 @@ from tether.models import build_char_tokenizer, build_tiny_model, load_model
 from tether.models.tokenizer import encode_exact
 from tether.rollout.hf import process_logits
 from tether.rollout.types import SamplingParams
+from tether.scoring import collate, token_logprobs
 from tether.tasks.countdown import ALPHABET, CountdownTask
-from tether.trainer import collate, token_logprobs
 
 PLAIN = SamplingParams(n=8, temperature=1.0, max_new_tokens=24)
 TRUNCATED = SamplingParams(

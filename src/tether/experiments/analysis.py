@@ -180,8 +180,8 @@ def make_probe(out: Path, model_path: str, max_new_tokens: int, seed: int = 1234
     from tether.models.tokenizer import encode_exact
     from tether.rollout.hf import HFGenerator
     from tether.rollout.types import SamplingParams
+    from tether.scoring import collate
     from tether.tasks import task_from_config
-    from tether.trainer import collate
 
     meta = load_meta(out)
     cfg = load_config(None, meta["base"])
@@ -202,7 +202,7 @@ def make_probe(out: Path, model_path: str, max_new_tokens: int, seed: int = 1234
 def probe_logp(model_dir: Path, probe: dict) -> torch.Tensor:
     """(B, T, V) log-probs of a final model at every probe response position."""
     from tether.models import load_model
-    from tether.trainer import forward
+    from tether.scoring import forward
 
     model, _ = load_model(model_dir)
     model.eval()

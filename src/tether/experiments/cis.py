@@ -265,9 +265,9 @@ def measure_generator(meta: dict, scenario: str, seed: int, keys: list[str] | No
     from tether.probe import _cat, epsilon_bins
     from tether.rollout.hf import HFGenerator
     from tether.rollout.types import SamplingParams
+    from tether.scoring import collate, token_logprobs
     from tether.setup import logit_noise
     from tether.tasks import task_from_config
-    from tether.trainer import collate, token_logprobs
 
     cfg = load_config(None, meta["base"] + (SCENARIOS[scenario] if keys is None else keys))
     r = cfg.rollout

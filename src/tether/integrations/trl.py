@@ -37,8 +37,7 @@ from tether.advice import advise_rows
 from tether.dump import DumpWriter
 from tether.rollout.hf import HFGenerator
 from tether.rollout.types import SamplingParams
-from tether.trainer import RolloutTensors
-from tether.trainer.scoring import score_tokens
+from tether.scoring import RolloutTensors, score_tokens
 
 TOPK = 20  # the generator's top-K recorded for dlc's centering (rollout.logprobs_topk's default)
 
@@ -186,7 +185,7 @@ class TetherGRPOTrainer(GRPOTrainer):
     def _score(self, model: torch.nn.Module, inputs: dict[str, Any],
                topk_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """log pi_theta of the sampled tokens (B, C) and at the top-K ids (B, C, K), by tether's
-        own scoring (tether.trainer.scoring: the processed distribution, fp32 head), the
+        own scoring (tether.scoring: the processed distribution, fp32 head), the
         forward `tether train` takes its loss through."""
         prompt_ids, completion_ids = inputs["prompt_ids"], inputs["completion_ids"]
         B, C = completion_ids.shape

@@ -24,10 +24,10 @@ from tether.rollout.backend import RolloutBackend, build_backend
 from tether.rollout.hf import HFGenerator
 from tether.rollout.worker import BatchResult
 from tether.run import Run, RunResult, build_run
+from tether.scoring import RolloutTensors, collate
 from tether.step import old_logprobs, train_step
-from tether.trainer import RolloutTensors, collate
-from tether.weights import SnapshotStore
 from tether.weights.gate import StalenessGate
+from tether.weights.snapshots import SnapshotStore
 
 
 def train_async(cfg: Config, resume: bool = False) -> RunResult:

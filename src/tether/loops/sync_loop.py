@@ -15,11 +15,13 @@ from tether.config import Config
 from tether.loops.skeleton import Clock, Session
 from tether.rollout.worker import rewarded_rollouts
 from tether.run import RunResult, build_run
+from tether.scoring import collate
 from tether.setup import build_generator
 from tether.step import old_logprobs, train_step
-from tether.trainer import collate
-from tether.weights import InProcessPublisher, SnapshotStore, Synchronizer
 from tether.weights.gate import StalenessGate
+from tether.weights.publisher import InProcessPublisher
+from tether.weights.snapshots import SnapshotStore
+from tether.weights.synchronizer import Synchronizer
 
 
 def train_sync(cfg: Config, resume: bool = False) -> RunResult:

@@ -24,8 +24,8 @@ from transformers import DynamicCache, PreTrainedModel
 from tether.errors import InputError
 from tether.models.routing import add_router_noise, route
 from tether.rollout.numerics import apply_numerics
-from tether.rollout.sampling import distinct_prompts, process_logits
 from tether.rollout.types import Rollout, SamplingParams
+from tether.scoring.distribution import distinct_prompts, process_logits
 
 
 def student_t(shape: tuple[int, ...], dof: int, g: torch.Generator, device) -> torch.Tensor:

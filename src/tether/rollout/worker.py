@@ -29,6 +29,7 @@ from tether.config import Config
 from tether.models import quiet_transformers
 from tether.models.tokenizer import encode_exact
 from tether.rollout.types import Generator, Rollout, SamplingParams
+from tether.scoring import TokenScorer, collate, score_at_versions
 from tether.setup import (
     build_generator,
     build_task_and_reward,
@@ -36,9 +37,7 @@ from tether.setup import (
     sampling_params,
     scores_old_in_worker,
 )
-from tether.step import score_old
 from tether.tasks.base import Problem, Task
-from tether.trainer import TokenScorer, collate
 from tether.weights.publisher import WeightSubscriber
 
 
@@ -166,10 +165,10 @@ class RolloutEngine:
 class OldScorer:
     """pi_old of a batch, scored in the rollout worker that made it (`loop.score_old=worker`),
     so the trainer's critical path has no pi_old forward. It runs the trainer's own code
-    (`tether.step.score_old` with a `TokenScorer`: the same processed distribution,
-    micro-batches and `train.precision`) on an fp32 copy of the published weights, each token
-    at the version that sampled it: bit for bit the trainer's numbers with the same thread
-    count (tests/test_worker_scoring.py).
+    (tether.scoring's `score_at_versions` with a `TokenScorer`: the same processed
+    distribution, micro-batches and `train.precision`) on an fp32 copy of the published
+    weights, each token at the version that sampled it: bit for bit the trainer's numbers
+    with the same thread count (tests/test_worker_scoring.py).
 
     Memory: one fp32 model beside the engine. Under partial rollouts a version loaded
     between decode steps is kept as views into its published buffer until the batch is
@@ -191,7 +190,7 @@ class OldScorer:
     def __call__(self, rollouts: list[Rollout]) -> None:
         """Each rollout's `logp_old` (and `topk_logp_old`), at its tokens' versions."""
         batch = collate(rollouts, self.pad_id, self.model.device)
-        logp, topk, _ = score_old(self.scorer, batch, self._at)
+        logp, topk, _ = score_at_versions(self.scorer, batch, self._at)
         for i, ro in enumerate(rollouts):
             n = len(ro.response_ids)
             ro.logp_old = logp[i, :n].tolist()

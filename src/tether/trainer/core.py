@@ -1,6 +1,6 @@
 """The `Trainer`: the trained model, its optimizer, and the loss and optimizer step(s) on a batch.
 
-It scores tokens with tether.trainer.scoring (`logp` with grad at the current weights;
+It scores tokens with tether.scoring (`logp` with grad at the current weights;
 `score_old` without grad at whatever weights the caller hands it, e.g. a kept snapshot),
 gets the loss from the estimator the config names (tether.estimators), and meets the
 other data-parallel ranks only through the `Collective` it is handed (`attach`;
@@ -19,9 +19,8 @@ from tether.config import TrainConfig
 from tether.estimators import LossOutput, TokenBatch, build_estimator
 from tether.guards import StepGuard, first_nonfinite
 from tether.rollout.types import SamplingParams
-from tether.trainer.batch import RolloutTensors
+from tether.scoring import RolloutTensors, TokenScorer, token_logprobs
 from tether.trainer.collective import Collective, Solo
-from tether.trainer.scoring import TokenScorer, token_logprobs
 
 
 class Trainer(TokenScorer):

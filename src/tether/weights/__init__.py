@@ -7,9 +7,13 @@ how versions reach engines (publisher), and the synchronous loop's use of all th
   for rollout worker processes). A published version is immutable.
 - `synchronizer`: the synchronous loop's bookkeeping over the three (lag, ESS trips).
 - `window`: the asynchronous loop's admission window, fixed or governed by the ESS.
-"""
 
-import importlib
+The package spans two layers (docs/architecture.md): `policy`, `gate`, `window` and `delta`
+are pure and sit below tether.config, which parses sync policies without torch;
+`publisher`, `snapshots` and `synchronizer` hold tensors, `snapshots` scores with
+tether.scoring, so they sit above it. This module exports only the pure part; import the
+others from their modules.
+"""
 
 from tether.weights.policy import (
     BoundedK,
@@ -21,22 +25,5 @@ from tether.weights.policy import (
     resolve_policy_spec,
 )
 
-# The publisher, snapshots and synchronizer need torch; they load on first use, so that
-# checking a config (which parses sync policies) does not import torch.
-_LAZY = {
-    "InProcessPublisher": "publisher", "SharedMemoryPublisher": "publisher",
-    "WeightSubscriber": "publisher", "SnapshotStore": "snapshots", "Synchronizer": "synchronizer",
-}
-
-
-def __getattr__(name: str) -> object:
-    if name not in _LAZY:
-        raise AttributeError(f"module 'tether.weights' has no attribute {name!r}")
-    return getattr(importlib.import_module(f"tether.weights.{_LAZY[name]}"), name)
-
-
-__all__ = [
-    "BoundedK", "EssTrigger", "EveryK", "InProcessPublisher", "ResyncK",
-    "SharedMemoryPublisher", "SnapshotStore", "SyncPolicy", "Synchronizer", "WeightSubscriber",
-    "parse_sync_policy", "resolve_policy_spec",
-]
+__all__ = ["BoundedK", "EssTrigger", "EveryK", "ResyncK", "SyncPolicy", "parse_sync_policy",
+           "resolve_policy_spec"]

@@ -23,7 +23,9 @@ scoring. A kept version costs what its form stores (docs/scale.md, `weights.*`):
 from __future__ import annotations
 
 import copy
+from collections.abc import Mapping
 from itertools import pairwise
+from types import MappingProxyType
 from typing import Any
 
 import torch
@@ -31,6 +33,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 from transformers import PreTrainedModel
 
+from tether.scoring import autocast, decode
 from tether.weights import delta
 from tether.weights.publisher import pack
 
@@ -131,6 +134,13 @@ class SnapshotStore:
         return (sum(t.numel() for t in self._flat.values())
                 + sum(d.nbytes for d in self._deltas.values()))
 
+    @property
+    def deltas(self) -> Mapping[int, delta.Delta]:
+        """The versions kept as deltas (`compress`), read only: version -> its XOR against
+        the next kept version, bucket by bucket, compressed (`delta.Delta`: `buckets`, `blobs`,
+        `nbytes`); empty without `compress`. For a compression ratio by element size."""
+        return MappingProxyType(self._deltas)
+
     def metrics(self, freed: list[int]) -> dict[str, float]:
         """The `snapshots/*` row keys, after a `release` that freed `freed`."""
         n = self.nbytes
@@ -190,8 +200,7 @@ def compute_dtype_names(model: PreTrainedModel, precision: str) -> frozenset[str
     """The state-dict names whose every read in the trainer's forward (`decode` under
     `train.precision`'s autocast) is a cast to bf16: storing them rounded changes no value
     the forward computes. Found by watching one forward of a few random tokens; the output
-    embedding runs in fp32 (tether.trainer.scoring) and is never among them."""
-    from tether.trainer.scoring import autocast, decode
+    embedding runs in fp32 (tether.scoring) and is never among them."""
 
     if precision != "bf16":
         return frozenset()

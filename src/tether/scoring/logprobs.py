@@ -1,11 +1,13 @@
-"""Token scoring: the log-probs the trainer gives the sampled tokens.
+"""The forward that turns (weights, tokens) into the processed log-probs of sampled tokens.
 
-Every trainer forward goes through `decode` (and `score_tokens` on top of it), which
-replays the batch's MoE routing when it carries one (`RolloutTensors.routed_experts`:
-R3, the generator's; R2, the `logp_old` forward's; tether.models.routing). The sampled
-tokens are scored under the same processed distribution the engines sample from
-(tether.rollout.sampling.process_logits). `train.precision=bf16` runs the forwards under
-bf16 autocast (`autocast`), the fp32 master weights untouched.
+Every scoring forward (the trainer's logp with grad, pi_old in the trainer or in a rollout
+worker, kept versions, the probe, the TRL plug-in) goes through `decode` (and
+`score_tokens` on top of it), which replays the batch's MoE routing when it carries one
+(`RolloutTensors.routed_experts`: R3, the generator's; R2, the `logp_old` forward's;
+tether.models.routing). The sampled tokens are scored under the same processed
+distribution the engines sample from (tether.scoring.distribution.process_logits).
+`train.precision=bf16` runs the forwards under bf16 autocast (`autocast`), the fp32
+master weights untouched.
 """
 
 from __future__ import annotations
@@ -20,9 +22,9 @@ from transformers import DynamicCache, PreTrainedModel
 
 from tether.config import TrainConfig
 from tether.models.routing import pad_routes, route
-from tether.rollout.sampling import distinct_prompts, process_logits
 from tether.rollout.types import SamplingParams
-from tether.trainer.batch import RolloutTensors
+from tether.scoring.batch import RolloutTensors
+from tether.scoring.distribution import distinct_prompts, process_logits
 
 LOGP_FLOOR = -1e4  # a token outside the trainer's top-k/top-p set has logp -inf; keep it finite
 
@@ -30,8 +32,6 @@ LOGP_FLOOR = -1e4  # a token outside the trainer's top-k/top-p set has logp -inf
 def autocast(device: torch.device, precision: str) -> AbstractContextManager:
     """The trainer's numerics (`train.precision`): bf16 autocast on `device`, or fp32 (a no-op)."""
     return torch.autocast(device.type, dtype=torch.bfloat16, enabled=precision == "bf16")
-
-
 
 
 def decode(

@@ -1,7 +1,7 @@
 """The distribution an engine samples from, which the trainer scores token by token.
 
 `process_logits` is the one definition of temperature, top-k and top-p: the HF engine
-samples from it and the trainer (tether.trainer.scoring) scores `logp_old` and `logp`
+samples from it and the scoring forward (tether.scoring.logprobs) scores `logp_old` and `logp`
 with it, so with equal weights and numerics the three log-probs agree exactly.
 `distinct_prompts` finds the prompts a batch's rows share, which both sides run once.
 """

@@ -9,6 +9,7 @@ the problem stream is indexed, the order fixed, torch seeded.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -45,10 +46,12 @@ def warm_start(
     batch_size: int = 128,
     lr: float = 2e-3,
     seed: int = 0,
-    log_every: int = 0,
     router_aux_loss: float = 0.0,
+    progress: Callable[[int, float], None] | None = None,
 ) -> list[float]:
     """Train `model` in place for `steps` AdamW steps (warmup, then cosine to 10%); returns losses.
+
+    `progress(step, loss)`, when given, is called after every step (1-based).
 
     `router_aux_loss` > 0 (MoE): the loss adds that times the router load-balancing loss
     (Switch Transformer's, as Qwen3-MoE computes it with `output_router_logits`), which
@@ -80,7 +83,7 @@ def warm_start(
         opt.step()
         sched.step()
         losses.append((loss - router_aux_loss * out.aux_loss).item() if aux else loss.item())
-        if log_every and (step + 1) % log_every == 0:
-            print(f"warm-start step {step + 1}/{steps} loss {sum(losses[-log_every:]) / log_every:.4f}")
+        if progress is not None:
+            progress(step + 1, losses[-1])
     model.eval()
     return losses
