@@ -52,9 +52,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import tempfile
 import time
 from pathlib import Path
+
+from harness import COUNTDOWN, interleaved, model_path, timed, train_run, use_threads
 
 
 def parse_args() -> argparse.Namespace:
@@ -88,17 +89,8 @@ def parse_args() -> argparse.Namespace:
 
 def run_one(common: list[str], extra: list[str], keep: Path | None = None) -> dict[str, float]:
     """One run; `keep`: its run directory (else a temporary one)."""
-    from tether.config import load_config
-    from tether.logger import read_jsonl
-    from tether.loops import train
-
-    with tempfile.TemporaryDirectory() as d:
-        run_dir = keep or Path(d) / "run"
-        cfg = load_config("configs/countdown.yaml", [*common, f"run.dir={run_dir}", *extra])
-        t0 = time.perf_counter()
-        train(cfg)
-        wall = time.perf_counter() - t0
-        rows = read_jsonl(run_dir / "metrics.jsonl")[1:]
+    run = train_run([*common, *extra], keep)
+    cfg, rows, wall = run.cfg, run.rows[1:], run.wall_s
     last, batch = rows[-1], cfg.rollout.prompts_per_step * cfg.rollout.group_size
     if cfg.loop.mode == "async":
         sps = last["async/samples_per_s"]
@@ -149,14 +141,12 @@ def breakdown(runs: list[dict]) -> None:
 def main() -> None:
     args = parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    from tether.config import load_config
     from tether.rollout.vllm_engine import vllm_available
-    from tether.setup import resolve_model_path
 
     if args.dlc:  # E-DLC's own warm start, not the demo's model
         dlc_race(args)
         return
-    model = args.model or str(resolve_model_path(load_config("configs/countdown.yaml")))
+    model = model_path(args.model)
     if args.publish_cost:
         publish_cost(model)
         return
@@ -166,7 +156,7 @@ def main() -> None:
     common = [f"model.path={model}", f"train.steps={args.steps}", f"train.lr={args.lr}",
               f"rollout.prompts_per_step={args.prompts}", f"rollout.group_size={args.group}",
               f"rollout.max_new_tokens={args.max_new_tokens}", "run.progress=false",
-              "run.threads=1", "eval.every=0", "eval.samples=4", "run.checkpoint_every=0",
+              use_threads(1), "eval.every=0", "eval.samples=4", "run.checkpoint_every=0",
               "diagnostics.monitor_every=0"]
     runs = []
     for engine in args.engines.split(","):
@@ -212,16 +202,14 @@ def main() -> None:
 def dlc_race(args: argparse.Namespace) -> None:
     """E-DLC's fp8_async row at its settings: what the ESS window and each after_trip rule
     cost in throughput and buy in staleness, against sync at lag 0 on the same work."""
-    from tether.config import load_config
     from tether.experiments import dlc
-    from tether.setup import resolve_model_path
 
     # The matrix's own keys (its base, the fp8 scenarios, the methods), timing-friendly
     # overrides after them: no evaluation but the last, no monitor, no checkpoints.
     scen, method = dlc.scenarios(dlc.LAG), dlc.METHODS
     base = dlc.build().base
-    model = args.model or str(resolve_model_path(load_config("configs/countdown.yaml", base)))
-    common = [*base, f"model.path={model}", "run.progress=false", "run.threads=1",
+    model = model_path(args.model, *base)
+    common = [*base, f"model.path={model}", "run.progress=false", use_threads(1),
               "eval.every=0", "run.checkpoint_every=0", "diagnostics.monitor_every=0"]
     race = scen[f"fp8_async{dlc.LAG}"]
     rows = [("sync, lag 0", [*scen["fp8"], *method["dlc"]]),
@@ -256,41 +244,39 @@ def _generate_forever(cfg) -> None:
         engine.make(WorkItem(slot, prompts, (0,) * len(prompts), 0, slot), 0.0)
 
 
-def pi_old_cost(model_path: str, prompts: int, group: int, new_tokens: int,
+def pi_old_cost(model: str, prompts: int, group: int, new_tokens: int,
                 repeats: int = 12) -> None:
     """Median seconds of the async trainer's pi_old forward on one batch: at the trainer's own
     model, at the snapshot model (loaded once), and at the snapshot model reloaded every call
     (as when each batch is at a new version); alone, then beside a process that generates
     (the rollout worker on the other core, pi_old left to the trainer). One torch thread each."""
     import multiprocessing
-    import statistics
-
-    import torch
 
     from tether.config import load_config
     from tether.rollout.worker import RolloutEngine, WorkItem
+    from tether.scoring import collate
     from tether.setup import load_policy, sampling_params
-    from tether.trainer import Trainer, collate
-    from tether.weights import SnapshotStore
+    from tether.trainer import Trainer
+    from tether.weights.snapshots import SnapshotStore
 
-    torch.set_num_threads(1)
-    cfg = load_config("configs/countdown.yaml", [f"model.path={model_path}",
+    use_threads(1)
+    cfg = load_config(COUNTDOWN, [f"model.path={model}",
                       f"rollout.prompts_per_step={prompts}", f"rollout.group_size={group}",
                       f"rollout.max_new_tokens={new_tokens}", "loop.score_old=trainer"])
-    _, model, tok = load_policy(cfg)
-    trainer = Trainer(model, cfg.train, sampling_params(cfg, model.config.vocab_size))
-    snapshots = SnapshotStore(model)
+    _, policy, tok = load_policy(cfg)
+    trainer = Trainer(policy, cfg.train, sampling_params(cfg, policy.config.vocab_size))
+    snapshots = SnapshotStore(policy)
     for v in (0, 1):
-        snapshots.put(v, model.state_dict())
+        snapshots.put(v, policy.state_dict())
     item = WorkItem(0, tuple(range(prompts)), (0,) * prompts, 0, 1)
-    batch = collate(RolloutEngine(0, cfg, model_path).make(item, 0.0).rollouts, tok.pad_token_id)
+    batch = collate(RolloutEngine(0, cfg, model).make(item, 0.0).rollouts, tok.pad_token_id)
     flip = [0]
 
     def reloaded():
         flip[0] ^= 1
         trainer.score(batch, snapshots.model_at(flip[0]))
 
-    cases = {"trainer's model": lambda: trainer.score(batch, model),
+    cases = {"trainer's model": lambda: trainer.score(batch, policy),
              "snapshot, loaded": lambda: trainer.score(batch, snapshots.model_at(0)),
              "snapshot, reloaded each call": reloaded}
     print(f"pi_old forward on one batch of {prompts} x {group}, median of {repeats} (s)")
@@ -301,38 +287,25 @@ def pi_old_cost(model_path: str, prompts: int, group: int, new_tokens: int,
                 target=_generate_forever, args=(cfg,), daemon=True)
             other.start()
             time.sleep(8)  # its model loaded and generating
-        times = {c: [] for c in cases}
-        for _ in range(repeats):  # interleaved, so drift hits every case alike
-            for c, fn in cases.items():
-                t0 = time.perf_counter()
-                fn()
-                times[c].append(time.perf_counter() - t0)
-        for c, ts in times.items():
+        for c, t in interleaved(cases, repeats).items():  # so drift hits every case alike
             print(f"{'beside a generating process' if beside else 'alone':28s} {c:30s} "
-                  f"{statistics.median(ts):.3f}", flush=True)
+                  f"{t.median:.3f}", flush=True)
         if other is not None:
             other.terminate()
 
 
-def publish_cost(model_path: str, repeats: int = 5) -> None:
+def publish_cost(path: str, repeats: int = 5) -> None:
     """Median seconds to publish one version: pack it (one copy into a flat buffer), then
     shared memory (local backend) or ray.put and one actor's fetch (ray backend)."""
-    import statistics
-
     import torch
 
     from tether.models import load_model
     from tether.weights.publisher import pack
 
     def median(fn) -> float:
-        times = []
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - t0)
-        return statistics.median(times)
+        return timed(fn, repeats).median
 
-    model, _ = load_model(model_path)
+    model, _ = load_model(path)
     cases = {"model": model.state_dict(), "1 GiB": {"w": torch.zeros(2**28)}}  # fp32
     import ray
 

@@ -13,28 +13,16 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
-import statistics
-import time
 from functools import partial
 
 import torch
+from harness import device_name, timed, use_threads
 
 from tether.estimators import PRESETS, TokenBatch, build_estimator
 from tether.models.tiny import build_tiny_model
 
 TOPK = 8
-
-
-def median_seconds(fn, repeats: int, warmup: int = 2) -> float:
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+WARMUP = 2  # untimed calls before each timed series
 
 
 def model_step(model: torch.nn.Module, ids: torch.Tensor) -> None:
@@ -74,17 +62,6 @@ def estimator_step(estimator, batch: TokenBatch) -> None:
     estimator(batch).loss.backward()
 
 
-def cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--batch", type=int, default=64)
@@ -92,25 +69,24 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--repeats", type=int, default=20)
     args = parser.parse_args()
-    torch.set_num_threads(args.threads)
+    use_threads(args.threads)
 
     model = build_tiny_model()
     vocab = model.config.vocab_size
     ids = torch.randint(0, vocab, (args.batch, args.length))
-    model_s = median_seconds(lambda: model_step(model, ids), repeats=max(3, args.repeats // 4))
+    model_s = timed(lambda: model_step(model, ids), max(3, args.repeats // 4), WARMUP).median
 
     batch = synthetic_batch(args.batch, args.length, vocab)
     print(
         f"B={args.batch} T={args.length} K={TOPK} threads={args.threads} torch "
-        f"{torch.__version__}, {cpu_name()} ({os.cpu_count()} cores visible)"
+        f"{torch.__version__}, {device_name()} ({os.cpu_count()} cores visible)"
     )
     print(f"tiny model forward+backward: {model_s * 1e3:.1f} ms")
     print(f"{'preset':<10}  {'loss+backward ms':>16}  {'% of model':>10}")
     worst = 0.0
     for name in PRESETS:
-        seconds = median_seconds(
-            partial(estimator_step, build_estimator(name), batch), args.repeats
-        )
+        seconds = timed(partial(estimator_step, build_estimator(name), batch), args.repeats,
+                        WARMUP).median
         worst = max(worst, seconds / model_s)
         print(f"{name:<10}  {seconds * 1e3:>16.2f}  {100 * seconds / model_s:>9.3f}%")
     print(f"worst: {100 * worst:.3f}% of the model step ({'under' if worst < 0.01 else 'OVER'} 1%)")

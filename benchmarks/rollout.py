@@ -23,9 +23,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import time
 
 import torch
+from harness import model_path, timed, use_threads
 
 
 def parse_args() -> argparse.Namespace:
@@ -57,15 +57,6 @@ def parse_args() -> argparse.Namespace:
     return p.parse_args()
 
 
-def model_dir(path: str | None) -> str:
-    if path:
-        return path
-    from tether.config import Config
-    from tether.setup import resolve_model_path
-
-    return str(resolve_model_path(Config()))  # the model `tether train` uses by default
-
-
 def countdown_prompts(tokenizer, count: int) -> tuple[list[list[int]], list[str]]:
     from tether.models.tokenizer import encode_exact
     from tether.tasks.countdown import CountdownTask
@@ -75,20 +66,23 @@ def countdown_prompts(tokenizer, count: int) -> tuple[list[list[int]], list[str]
     return [encode_exact(tokenizer, p.prompt) for p in problems], [p.id for p in problems]
 
 
-def timed(gen, prompts, ids, sampling, repeats: int) -> tuple[dict, list]:
-    gen.generate(prompts, ids, sampling, seed=0)  # warm-up: caches, allocator, first kernels
-    tokens, seconds = 0, 0.0
-    for r in range(repeats):
-        start = time.perf_counter()
-        rollouts = gen.generate(prompts, ids, sampling, seed=1 + r)
-        seconds += time.perf_counter() - start
-        tokens += sum(len(x.response_ids) for x in rollouts)
-    return {"tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds}, rollouts
+def throughput(gen, prompts, ids, sampling, repeats: int) -> tuple[dict, list]:
+    """One warm-up call (caches, allocator, first kernels; seed 0), then `repeats` timed ones
+    (seeds 1, 2, ...): their generated tokens over their summed seconds; the last rollouts."""
+    calls: list[list] = []
+
+    def generate() -> list:
+        calls.append(gen.generate(prompts, ids, sampling, seed=len(calls)))
+        return calls[-1]
+
+    t = timed(generate, repeats, warmup=1)
+    tokens = sum(len(x.response_ids) for rollouts in calls[1:] for x in rollouts)
+    return {"tokens": tokens, "seconds": t.total, "tokens_per_s": tokens / t.total}, t.result
 
 
 def mismatch(model, pad_id: int, rollouts, sampling) -> dict:
     """Numerical mismatch of the rollouts' log-probs against the fp32 trainer's."""
-    from tether.trainer import LOGP_FLOOR, collate, token_logprobs
+    from tether.scoring import LOGP_FLOOR, collate, token_logprobs
 
     batch = collate(rollouts, pad_id)
     with torch.no_grad():
@@ -105,11 +99,11 @@ def mismatch(model, pad_id: int, rollouts, sampling) -> dict:
 
 def main() -> None:
     args = parse_args()
-    torch.set_num_threads(args.threads)
+    use_threads(args.threads)
     from tether.models import load_model
     from tether.rollout.types import SamplingParams
 
-    path = model_dir(args.model)
+    path = model_path(args.model, config=None)  # the model `tether train` uses by default
     model, tokenizer = load_model(path)
     prompts, ids = countdown_prompts(tokenizer, args.prompts)
     sampling = SamplingParams(
@@ -121,34 +115,30 @@ def main() -> None:
     )
     engines = args.engines.split(",")
     results: dict[str, dict] = {}
+    makers = {}
     if "hf" in engines:
         from tether.rollout.hf import HFGenerator
 
-        start = time.perf_counter()
-        gen = HFGenerator(model, tokenizer.eos_token_id, tokenizer.pad_token_id, args.precision)
-        startup = time.perf_counter() - start
-        speed, rollouts = timed(gen, prompts, ids, sampling, args.repeats)
-        results["hf"] = {
-            "startup_s": startup,
-            **speed,
-            **mismatch(model, tokenizer.pad_token_id, rollouts, sampling),
-        }
-        del gen
+        makers["hf"] = lambda: HFGenerator(model, tokenizer.eos_token_id, tokenizer.pad_token_id,
+                                           args.precision)
     if "vllm" in engines:
         from tether.rollout.vllm_engine import VLLMGenerator
 
-        start = time.perf_counter()
-        gen = VLLMGenerator(path, args.precision)
-        startup = time.perf_counter() - start
-        speed, rollouts = timed(gen, prompts, ids, sampling, args.repeats)
-        results["vllm"] = {
-            "startup_s": startup,
+        makers["vllm"] = lambda: VLLMGenerator(path, args.precision)
+    for name, make in makers.items():
+        start = timed(make)  # the engine's start-up: reported, not part of the throughput
+        gen = start.result
+        speed, rollouts = throughput(gen, prompts, ids, sampling, args.repeats)
+        results[name] = {
+            "startup_s": start.total,
             **speed,
             **mismatch(model, tokenizer.pad_token_id, rollouts, sampling),
         }
-        gen.load_weights(model.state_dict(), version=1)
-        results["vllm"]["sync_s"] = gen.last_sync_seconds
-        gen.close()
+        if name == "vllm":
+            gen.load_weights(model.state_dict(), version=1)
+            results["vllm"]["sync_s"] = gen.last_sync_seconds
+            gen.close()
+        del gen, start
 
     print(
         f"\nmodel {path}\n{args.prompts} prompts x {args.n} samples, <= {args.max_new_tokens} "

@@ -14,25 +14,23 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-import torch
+from harness import model_path, use_threads
 
 from tether.diagnostics import compare_routes, decompose, mismatch_metrics
-from tether.models import ensure_default_model, load_model
+from tether.models import load_model
 from tether.models.tokenizer import encode_exact
 from tether.rollout.hf import HFGenerator
 from tether.rollout.types import SamplingParams
+from tether.scoring import collate, score_batch
 from tether.tasks import build_task
-from tether.trainer import collate, score_batch
 
 GENERATORS = [("bf16", 0.0), ("fp8", 0.0), ("bf16", 0.1), ("bf16", 0.3)]
 
 
 def main() -> None:
-    torch.set_num_threads(1)
-    task_kwargs = {"num_numbers": 3, "num_min": 1, "num_max": 9, "target_min": 1,
-                   "target_max": 100}
-    model, tok = load_model(ensure_default_model("~/.cache/tether/models", True, 0, 200,
-                                                 task_kwargs))
+    use_threads(1)
+    # configs/countdown.yaml's model as MoE (200 warm-start steps); a first build uses every core
+    model, tok = load_model(model_path(None, "model.moe=true", "run.threads=0"))
     task = build_task("countdown")
     prompts = [encode_exact(tok, task.train_problem(i).prompt) for i in range(32)]
     sampling = SamplingParams(n=8, max_new_tokens=12)

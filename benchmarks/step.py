@@ -38,13 +38,13 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 import weakref
 from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
 import psutil
 import torch
+from harness import COUNTDOWN, MiB, device_name, random_model, timed, use_threads
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import FlopCounterMode
 
@@ -54,25 +54,14 @@ from tether.rollout.hf import HFGenerator, sample_tokens
 from tether.rollout.types import Rollout, SamplingParams
 from tether.rollout.worker import rewarded_rollouts
 from tether.run import build_run
+from tether.scoring import collate, score_batch, token_logprobs
 from tether.step import OldLogprobs, train_step
-from tether.trainer import Trainer, collate, score_batch, token_logprobs
+from tether.trainer import Trainer
 
-ROOT = Path(__file__).resolve().parents[1]
 WORK = {"prompts": 32, "group": 8, "max_new_tokens": 12}
-MiB = 2 ** 20
-SIZES = {  # name: (hidden, layers, heads, kv heads, intermediate)
-    "tiny": (192, 4, 4, 2, 768),
-    "20M": (384, 8, 6, 2, 1536),
-    "100M": (768, 12, 12, 4, 3072),
-}
 
 
 # -- measuring ------------------------------------------------------------------------------
-
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
 
 class LiveBytes(TorchDispatchMode):
     """The most bytes of tensor storage created inside the block and alive at once.
@@ -120,25 +109,13 @@ def peak_memory(device: torch.device, out: dict):
     out["peak_mib"] = probe.peak / MiB
 
 
-def timed(fn, device: torch.device, repeats: int = 1) -> tuple[float, object]:
-    """Median wall seconds of `fn()` over `repeats` calls, and its last result."""
-    times, result = [], None
-    for _ in range(repeats):
-        sync(device)
-        t0 = time.perf_counter()
-        result = fn()
-        sync(device)
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times), result
-
-
 def matmul_rate(m: int, k: int, n: int, dtype: torch.dtype, device: torch.device) -> float:
     """GFLOP/s of an (m, k) @ (k, n) product in `dtype`."""
     a = torch.randn(m, k, device=device).to(dtype)
     b = torch.randn(k, n, device=device).to(dtype)
     a @ b
     repeats = max(3, int(2e10 / (2 * m * k * n)))
-    seconds, _ = timed(lambda: [a @ b for _ in range(repeats)], device, 3)
+    seconds = timed(lambda: [a @ b for _ in range(repeats)], 3, device=device).median
     return 2 * m * k * n * repeats / seconds / 1e9
 
 
@@ -171,8 +148,7 @@ def estimator_seconds(trainer: Trainer, batch, device: torch.device, repeats: in
         logp.grad = None
         trainer.estimator(tb).loss.backward()
 
-    run()
-    return timed(run, device, repeats)[0]
+    return timed(run, repeats, warmup=1, device=device).median
 
 
 def forward_backward(trainer: Trainer, batch) -> None:
@@ -188,11 +164,11 @@ def forward_backward(trainer: Trainer, batch) -> None:
 
 def breakdown(args, device: torch.device, peaks: dict[str, float]) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
-        cfg = load_config(ROOT / "configs/countdown.yaml", [
+        cfg = load_config(COUNTDOWN, [
             f"rollout.prompts_per_step={WORK['prompts']}", f"rollout.group_size={WORK['group']}",
             f"rollout.max_new_tokens={WORK['max_new_tokens']}", "rollout.temperature=1.0",
             "train.estimator=grpo", "task.format_weight=0.0", f"train.precision={args.precision}",
-            f"run.device={device}", f"run.threads={args.threads}", f"run.dir={tmp}/run",
+            f"run.device={device}", use_threads(args.threads), f"run.dir={tmp}/run",
             "run.progress=false"])
         run = build_run(cfg)
     model, trainer = run.model, run.trainer
@@ -202,19 +178,21 @@ def breakdown(args, device: torch.device, peaks: dict[str, float]) -> dict:
         """One step, phase by phase; `measure(phase)` wraps each phase."""
         idx = [step * WORK["prompts"] + i for i in range(WORK["prompts"])]
         with measure("generate"):
-            t_gen, rollouts = timed(lambda: rewarded_rollouts(
+            gen = timed(lambda: rewarded_rollouts(
                 generator, run.tokenizer, run.task, run.reward_fn, idx, run.sampling,
-                seed=run.sampling_seed(step)), device)
+                seed=run.sampling_seed(step)), device=device)
+        rollouts = gen.result
         batch = collate(rollouts, run.tokenizer.pad_token_id, device)
         with measure("old_logprob"):
-            t_old, _ = timed(lambda: trainer.score_old(batch, model), device)
-        t_fb, _ = timed(lambda: forward_backward(trainer, batch), device)
+            t_old = timed(lambda: trainer.score_old(batch, model), device=device).median
+        t_fb = timed(lambda: forward_backward(trainer, batch), device=device).median
         with measure("train"):
-            t_train, _ = timed(lambda: train_step(trainer, batch, rollouts, OldLogprobs(None, None), True), device)
+            t_train = timed(lambda: train_step(trainer, batch, rollouts, OldLogprobs(None, None), True),
+                            device=device).median
         with measure("sync"):
-            t_sync, _ = timed(lambda: generator.load_weights(model.state_dict(), trainer.version),
-                              device)
-        return {"generate": t_gen, "old_logprob": t_old, "forward_backward": t_fb,
+            t_sync = timed(lambda: generator.load_weights(model.state_dict(), trainer.version),
+                           device=device).median
+        return {"generate": gen.median, "old_logprob": t_old, "forward_backward": t_fb,
                 "train": t_train, "sync": t_sync, "positions": int(batch.attention_mask.sum()),
                 "response_tokens": int(batch.response_mask.sum()), "batch": batch}
 
@@ -250,19 +228,6 @@ def breakdown(args, device: torch.device, peaks: dict[str, float]) -> dict:
 
 # -- scaling --------------------------------------------------------------------------------
 
-def model_of(size: str, vocab: int, device: torch.device):
-    from transformers import Qwen3Config, Qwen3ForCausalLM
-
-    hidden, layers, heads, kv, inter = SIZES[size]
-    torch.manual_seed(0)
-    config = Qwen3Config(vocab_size=vocab, hidden_size=hidden, num_hidden_layers=layers,
-                         num_attention_heads=heads, num_key_value_heads=kv, head_dim=64,
-                         intermediate_size=inter, max_position_embeddings=256,
-                         tie_word_embeddings=vocab < 1000, pad_token_id=0, eos_token_id=1)
-    config._attn_implementation = "sdpa"
-    return Qwen3ForCausalLM(config).float().to(device)
-
-
 def synthetic_rollouts(prompts: int, group: int, prompt_len: int, length: int, vocab: int,
                        seed: int = 0) -> list[Rollout]:
     """Full-length responses of random tokens (no eos), the shape a scaling row asks for."""
@@ -281,18 +246,20 @@ def synthetic_rollouts(prompts: int, group: int, prompt_len: int, length: int, v
 def scale_row(size: str, prompts: int, group: int, length: int, precision: str,
               device: torch.device) -> dict:
     vocab, prompt_len = 21, 9  # the char vocabulary; Countdown's prompts are about 9 tokens
-    model = model_of(size, vocab, device)
+    model = random_model(size, vocab, device)
     sampling = SamplingParams(n=group, temperature=1.0, max_new_tokens=length)
     trainer = Trainer(model, TrainConfig(precision=precision), sampling)
     rollouts = synthetic_rollouts(prompts, group, prompt_len, length, vocab)
     batch = collate(rollouts, 0, device)
-    t_old, _ = timed(lambda: score_batch(model, batch, sampling, 64, precision=precision),
-                     device, 2)
-    t_train, _ = timed(lambda: train_step(trainer, batch, rollouts, OldLogprobs(None, None), True), device, 2)
+    t_old = timed(lambda: score_batch(model, batch, sampling, 64, precision=precision), 2,
+                  device=device).median
+    t_train = timed(lambda: train_step(trainer, batch, rollouts, OldLogprobs(None, None), True), 2,
+                    device=device).median
     prompts_ids = [r.prompt_ids for r in rollouts]
     model.eval()
-    t_gen, _ = timed(lambda: sample_tokens(model, prompts_ids, sampling,
-                                           torch.Generator(device).manual_seed(0), -1, 0), device)
+    t_gen = timed(lambda: sample_tokens(model, prompts_ids, sampling,
+                                        torch.Generator(device).manual_seed(0), -1, 0),
+                  device=device).median
     n = prompts * group
     return {"size": size, "params_m": sum(p.numel() for p in model.parameters()) / 1e6,
             "precision": precision, "rows": n, "group": group, "T": length,
@@ -319,15 +286,7 @@ VOCAB_ROWS, VOCAB_PROMPT, VOCAB_T = 32, 16, 32
 def vocab_step(vocab: int, device: torch.device) -> dict:
     """One training step of a Qwen3-shaped model (hidden 256, 2 layers, untied embeddings) at
     `vocab`, in this process: memory before it and the process's high-water mark."""
-    from transformers import Qwen3Config, Qwen3ForCausalLM
-
-    torch.manual_seed(0)
-    config = Qwen3Config(vocab_size=vocab, hidden_size=256, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, head_dim=64,
-                         intermediate_size=768, max_position_embeddings=256,
-                         tie_word_embeddings=False, pad_token_id=0, eos_token_id=1)
-    config._attn_implementation = "sdpa"
-    model = Qwen3ForCausalLM(config).float().to(device)
+    model = random_model((256, 2, 4, 2, 768), vocab, device, tied=False)
     sampling = SamplingParams(n=8, temperature=1.0, max_new_tokens=VOCAB_T)
     trainer = Trainer(model, TrainConfig(micro_batch=VOCAB_ROWS), sampling)
     rollouts = synthetic_rollouts(VOCAB_ROWS // 8, 8, VOCAB_PROMPT, VOCAB_T, vocab)
@@ -337,9 +296,7 @@ def vocab_step(vocab: int, device: torch.device) -> dict:
         before = torch.cuda.memory_allocated(device)
     else:
         before = psutil.Process().memory_info().rss
-    t0 = time.perf_counter()
-    train_step(trainer, batch, rollouts, OldLogprobs(None, None), True)
-    seconds = time.perf_counter() - t0
+    seconds = timed(lambda: train_step(trainer, batch, rollouts, OldLogprobs(None, None), True)).median
     peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else rss_high_water()
     largest = max(p.numel() for p in model.parameters())
     return {"vocab": vocab, "params": sum(p.numel() for p in model.parameters()),
@@ -439,16 +396,13 @@ def main() -> None:
     parser.add_argument("--json", metavar="FILE", help="Also write every figure here.")
     parser.add_argument("--vocab-child", type=int, help=argparse.SUPPRESS)  # internal: one vocab run
     args = parser.parse_args()
-    torch.set_num_threads(args.threads)
+    use_threads(args.threads)
     device = torch.device(args.device)
     if args.vocab_child:
         print(json.dumps(vocab_step(args.vocab_child, device)))
         return
     sections = args.only or ["peak", "breakdown", "scaling", "vocab"]
-    name = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                 if line.startswith("model name")), "?") if device.type == "cpu" else \
-        torch.cuda.get_device_name(device)
-    print(f"{name}, {os.cpu_count()} cores visible, {args.threads} thread(s), torch {torch.__version__}")
+    print(f"{device_name(device)}, {os.cpu_count()} cores visible, {args.threads} thread(s), torch {torch.__version__}")
     out: dict = {}
     if "peak" in sections or "breakdown" in sections:
         out["peak"] = peak_rates(device)

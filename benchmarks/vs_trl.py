@@ -50,30 +50,25 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from harness import ROOT, model_path, train_run, use_threads
+
 SETTINGS = {"prompts": 32, "group": 8, "max_new_tokens": 12, "temperature": 1.0, "lr": 1e-4}
 
 
 def run_tether(model_dir: str, steps: int, seed: int, lr: float = SETTINGS["lr"],
                estimator: str = "grpo", precision: str = "fp32") -> dict:
     """tether's synchronous loop; step times from its metrics (time/step and phases)."""
-    from tether.config import load_config
-    from tether.logger import read_jsonl
-    from tether.loops import train
-
-    with tempfile.TemporaryDirectory() as tmp:
-        cfg = load_config(ROOT / "configs/countdown.yaml", [
-            f"model.path={model_dir}", f"train.steps={steps}", f"train.lr={lr}",
-            f"train.estimator={estimator}", f"rollout.precision={precision}",
-            f"rollout.prompts_per_step={SETTINGS['prompts']}",
-            f"rollout.group_size={SETTINGS['group']}",
-            f"rollout.max_new_tokens={SETTINGS['max_new_tokens']}",
-            f"rollout.temperature={SETTINGS['temperature']}", "task.format_weight=0.0",
-            "diagnostics.monitor_every=0", "eval.every=0", "eval.samples=0", "eval.batch_size=8",
-            "task.eval_size=8", "run.checkpoint_every=0", "run.progress=false", "run.threads=1",
-            f"run.seed={seed}", f"run.dir={tmp}/run"])
-        train(cfg)
-        rows = [r for r in read_jsonl(Path(tmp) / "run/metrics.jsonl") if r.get("step", 0) > 0]
+    run = train_run([
+        f"model.path={model_dir}", f"train.steps={steps}", f"train.lr={lr}",
+        f"train.estimator={estimator}", f"rollout.precision={precision}",
+        f"rollout.prompts_per_step={SETTINGS['prompts']}",
+        f"rollout.group_size={SETTINGS['group']}",
+        f"rollout.max_new_tokens={SETTINGS['max_new_tokens']}",
+        f"rollout.temperature={SETTINGS['temperature']}", "task.format_weight=0.0",
+        "diagnostics.monitor_every=0", "eval.every=0", "eval.samples=0", "eval.batch_size=8",
+        "task.eval_size=8", "run.checkpoint_every=0", "run.progress=false", use_threads(1),
+        f"run.seed={seed}"])
+    rows = [r for r in run.rows if r.get("step", 0) > 0]
     phases = ("generate", "old_logprob", "train", "diagnostics", "sync")
     return {"step_s": [r["time/step"] for r in rows], "reward": [r["reward/mean"] for r in rows],
             "tokens": [r["response/length_mean"] * SETTINGS["prompts"] * SETTINGS["group"] for r in rows],
@@ -92,7 +87,7 @@ def run_trl(model_dir: str, steps: int, seed: int, lr: float = SETTINGS["lr"],
 
     from tether.tasks import CountdownTask
 
-    torch.set_num_threads(1)
+    use_threads(1)
     task = CountdownTask(format_weight=0.0)
     n = steps * SETTINGS["prompts"]
     problems = [task.train_problem(i) for i in range(n)]
@@ -278,11 +273,7 @@ def main() -> None:
         print(json.dumps(run_trl(args.model, args.steps, args.seed, args.lr, args.side == "plugin",
                                  args.learn, args.generator)))
         return
-    if args.model is None:
-        from tether.config import load_config
-        from tether.setup import resolve_model_path
-
-        args.model = str(resolve_model_path(load_config(ROOT / "configs/countdown.yaml")))
+    args.model = model_path(args.model)
     learning(args) if args.learn else timing(args)
 
 

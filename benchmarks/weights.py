@@ -3,7 +3,7 @@
     python benchmarks/weights.py                      # 2.4 M, 17 M, 104 M; lr 1e-4 and 1e-6
     python benchmarks/weights.py --sizes tiny --lrs 1e-4 --json out.json
 
-Each model (benchmarks/step.py's Qwen3 shapes, random weights, Countdown's 21-token
+Each model (benchmarks/harness.py's Qwen3 shapes, random weights, Countdown's 21-token
 vocabulary) takes real AdamW steps on random tokens, so consecutive versions differ as
 training makes them differ: by about the learning rate per weight (Adam normalises the
 step). The delta's size depends on that alone, so it is measured at tether's Countdown lr
@@ -24,16 +24,10 @@ from __future__ import annotations
 import argparse
 import collections
 import json
-import statistics
-import sys
-import time
 from pathlib import Path
 
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from estimators import median_seconds
-from step import model_of
+from harness import random_model, timed, use_threads
 
 from tether.weights import delta
 from tether.weights.publisher import pack
@@ -80,16 +74,16 @@ def kept_rows(model, vs: list[dict], keep: int, repeats: int, bucket: int) -> di
                 store.put(v, sd)
             return store
 
-        put = []
-        for _ in range(repeats):  # the newest version into a store holding the others
-            store = filled(keep - 1)
-            t0 = time.perf_counter()
+        def put_newest(store: SnapshotStore) -> SnapshotStore:
             store.put(keep - 1, vs[keep - 1])
-            put.append(time.perf_counter() - t0)
-        put_s = statistics.median(put)
-        state_s = median_seconds(lambda s=store: s.state(0), repeats, warmup=0)
-        out[form] = {"mb_per_version": store.nbytes / len(store) / MB, "put_s": put_s, "state_s": state_s,
-                     "ratio": ratios(store._deltas.values())}
+            return store
+
+        # the newest version into a store holding the others, a fresh one each time
+        put = timed(put_newest, repeats, setup=lambda filled=filled: filled(keep - 1))
+        store = put.result
+        state_s = timed(lambda s=store: s.state(0), repeats).median
+        out[form] = {"mb_per_version": store.nbytes / len(store) / MB, "put_s": put.median,
+                     "state_s": state_s, "ratio": ratios(store.deltas.values())}
     return out
 
 
@@ -110,22 +104,22 @@ def publish_rows(vs: list[dict], repeats: int, bucket: int) -> dict[str, dict]:
     d = delta.encode(b.buffer, a.buffer, parts)
     out_buf = a.buffer.clone()
     return {
-        "full": {"mb": b.buffer.numel() / MB, "send_s": median_seconds(lambda: pack(1, vs[-1], shared=True), repeats, 0),
+        "full": {"mb": b.buffer.numel() / MB, "send_s": timed(lambda: pack(1, vs[-1], shared=True), repeats).median,
                  "receive_s": 0.0},
         "delta": {"mb": d.nbytes / MB,
-                  "send_s": median_seconds(lambda: delta.encode(pack(1, vs[-1]).buffer, a.buffer, parts), repeats, 0),
-                  "receive_s": median_seconds(lambda: delta.apply(d, out_buf, out=a.buffer.clone()), repeats, 0)},
+                  "send_s": timed(lambda: delta.encode(pack(1, vs[-1]).buffer, a.buffer, parts), repeats).median,
+                  "receive_s": timed(lambda: delta.apply(d, out_buf, out=a.buffer.clone()), repeats).median},
     }
 
 
 def main() -> None:
     args = parse_args()
-    torch.set_num_threads(1)
+    use_threads(1)
     bucket = args.bucket_mb << 20
     rows = []
     for size in args.sizes.split(","):
         for lr in (float(x) for x in args.lrs.split(",")):
-            model = model_of(size, VOCAB, torch.device("cpu"))
+            model = random_model(size, VOCAB)
             params = sum(p.numel() for p in model.parameters()) / 1e6
             vs = versions(model, args.keep + 1, lr)
             row = {"size": size, "params_m": params, "lr": lr,
