@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: demo test test-properties mutants install install-vllm install-verl lint
+.PHONY: demo test test-slow test-properties mutants install install-vllm install-verl lint
 
 install: $(VENV)/.installed
 
@@ -37,10 +37,18 @@ $(VENV)-verl/.installed: pyproject.toml
 demo: install
 	$(BIN)/tether train --config configs/demo.yaml
 
+# The fast tier, two pytest workers (pytest-xdist): every test but the slow real-process tier
+# (tests/conftest.py SLOW), which `make test-slow` runs; CI runs both (docs/testing.md).
 # TRL comes with the dev extra (tests/test_trl.py); verl's tests run in .venv-verl.
+TEST_WORKERS ?= 2
 test: install install-vllm install-verl
-	$(BIN)/python -m pytest
+	$(BIN)/python -m pytest -n $(TEST_WORKERS) -m "not slow"
 	$(VENV)-verl/bin/python -m pytest -p no:cacheprovider tests/test_verl.py
+
+# The slow tier, one test at a time: Ray actors, trainer ranks, experiment cells, vLLM engines
+# and fault injection start processes of their own.
+test-slow: install install-vllm
+	$(BIN)/python -m pytest -m slow
 
 # Every Hypothesis property at >= 300 examples from a fresh random start (CI runs it once).
 test-properties: install
