@@ -21,8 +21,8 @@ from tether.scoring.logprobs import TokenScorer
 ModelAt = Callable[[int], nn.Module]  # weight version -> a model holding it
 
 
-def score_at_versions(scorer: TokenScorer, batch: RolloutTensors,
-              model_at: ModelAt) -> tuple[torch.Tensor, torch.Tensor | None, RolloutTensors]:
+def score_at_versions(scorer: TokenScorer, batch: RolloutTensors, model_at: ModelAt,
+                      ) -> tuple[torch.Tensor, torch.Tensor | None, RolloutTensors]:
     """`logp_old` (B, T) and top-K (B, T, K): each token at the version that sampled it; and
     the batch the training forwards are to score.
 

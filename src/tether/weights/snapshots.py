@@ -201,7 +201,6 @@ def compute_dtype_names(model: PreTrainedModel, precision: str) -> frozenset[str
     `train.precision`'s autocast) is a cast to bf16: storing them rounded changes no value
     the forward computes. Found by watching one forward of a few random tokens; the output
     embedding runs in fp32 (tether.scoring) and is never among them."""
-
     if precision != "bf16":
         return frozenset()
     sd = model.state_dict()
