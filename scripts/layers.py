@@ -40,7 +40,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
                  "dump", "checkpoint", "setup")),
     # The trained model and its ranks; the rollout workers and their backends.
     ("trainer", ("trainer", "distributed", "rollout.worker", "rollout.backend",
-                 "rollout.ray_backend")),
+                 "rollout.ray_backend", "rollout.ray_start")),
     # One training step on a rewarded batch, and the run both loops build.
     ("step", ("step", "run")),
     ("loops", ("loops",)),
@@ -110,7 +110,7 @@ def check(src: Path) -> list[Violation]:
             out.append(Violation(path, 1, module, "-", "the module is in no layer of LAYERS"))
             continue
         for node in ast.walk(ast.parse(path.read_text(), str(path))):
-            for target in imported(node, known):
+            for target in dict.fromkeys(imported(node, known)):  # once per statement
                 theirs = layer_of(target)
                 if theirs is None:
                     out.append(Violation(path, node.lineno, module, target, "in no layer"))

@@ -26,6 +26,7 @@ SLOW = {
     "test_experiments.py": "quick experiment matrices (dlc, cis, vespo), resumed and reported",
     "test_faults.py": "killed experiments, full disks, concurrent model builds",
     "test_ray.py": "a real local Ray: actors placed, killed, replaced",
+    "test_ray_nodes.py": "a real two-node Ray cluster: a node and a driver killed",
     "test_distributed.py": "gloo trainer ranks in their own processes",
     "test_vllm.py": "vLLM's CPU engine: start-up alone is tens of seconds",
     "test_vllm_loop.py": "a Countdown run with vLLM rollouts",

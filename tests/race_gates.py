@@ -17,6 +17,11 @@ Rules (each optional):
   the marker `held` (its identity: the Ray actor's name, or the process name and pid)
   and waits until the test writes `release` (without one: until it is killed). Later
   calls, in any process (the rest of its group, a re-issued attempt, a resumed run), pass.
+- `hold_node=NODE` (Ray): like `hold`, for the first training problem rewarded by an
+  actor on the Ray node whose id (hex) is NODE: a node to kill holds prompts.
+- `hold_build=true` (Ray): each actor's engine build, where it imports this module, writes
+  `building-<actor>` and waits until the test writes `release-build`: a build that lasts
+  as long as the test wants.
 - `switch_slot=S` (loop.partial, local rollout workers): the worker making slot S, at its
   first decode-step boundary, writes `mid-batch` and waits for a newer weight version,
   which it loads before sampling the rest of the batch: weights land mid-batch. Done by
@@ -36,8 +41,10 @@ import os
 import shutil
 import subprocess
 import sys
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -63,6 +70,20 @@ def wait_until(done: Callable[[], bool], alive: Callable[[], bool]) -> bool:
             return done()
         time.sleep(POLL_S)
     return True
+
+
+@contextmanager
+def beside(act: Callable[[Callable[[], bool]], None]) -> Iterator[None]:
+    """Run `act(running)` in a thread while the body (a run) runs; `running()` turns False
+    when the body ends, so an act waiting on a gate the run never reached ends too."""
+    finished = threading.Event()
+    thread = threading.Thread(target=act, args=(lambda: not finished.is_set(),), daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        finished.set()
+        thread.join()
 
 
 def tether_train(*args: str) -> subprocess.Popen:
@@ -115,9 +136,16 @@ def reward(problem: Any, response: str) -> Any:
     if "-train-" in problem.id:  # held-out problems (evaluation, monitor) pass
         if rules.get("barrier") and (worker := _rollout_worker()) is not None:
             _barrier(worker, rules["barrier"])
-        if problem.id == rules.get("hold"):
+        if problem.id == rules.get("hold") or (
+                rules.get("hold_node") and _ray_actor() and _node() == rules["hold_node"]):
             _hold()
     return _task.reward(problem, response)
+
+
+def _node() -> str:
+    import ray
+
+    return ray.get_runtime_context().get_node_id()
 
 
 def _rollout_worker() -> str | None:
@@ -187,3 +215,7 @@ def _install_switch(slot: int) -> None:
 if (GATE / "rules.json").exists() and multiprocessing.current_process().name.startswith(
         "tether-rollout-") and "switch_slot" in _rules():
     _install_switch(_rules()["switch_slot"])
+if (GATE / "rules.json").exists() and _rules().get("hold_build") and (_actor := _ray_actor()):
+    (GATE / f"building-{_actor}").touch()
+    while not (GATE / "release-build").exists():
+        time.sleep(POLL_S)

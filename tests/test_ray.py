@@ -11,10 +11,11 @@ import os
 import subprocess
 import sys
 import threading
+import time
 
 import pytest
 
-from tests.race_gates import gate, wait_until
+from tests.race_gates import beside, gate, wait_until
 from tether.config import ConfigError, load_config
 from tether.errors import EnvironmentFault
 from tether.ledger import audit
@@ -22,6 +23,7 @@ from tether.logger import read_jsonl
 from tether.loops import train
 
 ray = pytest.importorskip("ray")
+from tether.rollout.ray_backend import LOCAL_RAY_CONFIG
 
 ASYNC = ["run.progress=false", "run.threads=1", "rollout.prompts_per_step=4",
          "rollout.group_size=4", "rollout.max_new_tokens=12", "task.eval_size=16",
@@ -32,7 +34,7 @@ ASYNC = ["run.progress=false", "run.threads=1", "rollout.prompts_per_step=4",
 @pytest.fixture(scope="module")
 def local_ray():
     # "local": a new Ray even where a `ray start` cluster runs (or left its address behind)
-    ray.init(address="local", num_cpus=2, include_dashboard=False)
+    ray.init(address="local", num_cpus=2, include_dashboard=False, _system_config=LOCAL_RAY_CONFIG)
     yield
     ray.shutdown()
 
@@ -199,3 +201,59 @@ def test_delta_publishing_reaches_actors_and_their_replacements_bit_for_bit(
         assert torch.equal(held(backend.actors[0]), newest)
     finally:
         backend.stop()
+
+
+def test_an_engine_build_slower_than_start_timeout_is_not_a_fault(local_ray, warm_model_dir,
+                                                                   tmp_path):
+    """Placement is bounded by run.start_timeout, the engine build is not: each actor's build
+    is held (race_gates' hold_build) until start_timeout has passed since both builds
+    began, and the run trains to the end."""
+    run_dir, gate_dir, timeout = tmp_path / "run", tmp_path / "gate", 2.0
+    cfg = _cfg(warm_model_dir, run_dir, "train.steps=2", f"run.start_timeout={timeout:g}")
+    cfg = _cfg(warm_model_dir, run_dir, "train.steps=2", f"run.start_timeout={timeout:g}",
+               *gate(gate_dir, cfg, hold_build=True))
+    def release_late(running):
+        if wait_until(lambda: len(list(gate_dir.glob("building-*"))) == 2, running):
+            time.sleep(timeout + 1.0)  # past the bound, on purpose
+            (gate_dir / "release-build").touch()
+
+    with beside(release_late):
+        train(cfg)
+    assert (gate_dir / "release-build").exists()  # the builds were held past the bound
+    a = audit(run_dir / "ledger.jsonl")
+    assert a.ok and a.trained == 2 * 4, a.problems
+
+
+def test_an_engine_that_fails_to_build_reports_its_own_error(local_ray, warm_model_dir, tmp_path):
+    """A model path only the actors read (the driver never loads it here): the run stops with
+    the build's own error, naming the worker, not with a placement timeout; the actors and
+    their reserved resources are gone after."""
+    from tether.errors import InputError
+    from tether.rollout.ray_backend import RayBackend
+
+    cfg = _cfg(warm_model_dir, tmp_path, "run.start_timeout=600")
+    backend = RayBackend(cfg, str(tmp_path / "nowhere"), "broken")
+    try:
+        with pytest.raises(InputError, match=r"rollout worker [01] \(a Ray actor\) could not build "
+                           r"its engine: model.path=.*nowhere: not a Hugging Face model directory"):
+            for _ in range(600):  # a hang guard only: the error comes in seconds
+                backend.receive(timeout=1.0)
+    finally:
+        backend.stop()
+    for _ in range(300):  # a hang guard only: Ray frees killed actors' CPUs in moments
+        if ray.available_resources().get("CPU") == 2.0:
+            break
+        time.sleep(0.1)
+    assert ray.available_resources().get("CPU") == 2.0
+
+
+def test_workers_asking_more_cpus_than_the_cluster_has_fail_placement(local_ray, warm_model_dir,
+                                                                      tmp_path):
+    cfg = _cfg(warm_model_dir, tmp_path / "run", "train.steps=2", "loop.worker_cpus=3",
+               "run.start_timeout=2")
+    with pytest.raises(EnvironmentFault, match=r"^placement: rollout worker actor\(s\) \[0, 1\] "
+                       r"not started within 2 s \(run.start_timeout\): each asks Ray for 3 CPU "
+                       r"and 0 GPU .* the cluster has \{'CPU': 2.0, 'GPU': 0.0\} free of "
+                       r"\{'CPU': 2.0, 'GPU': 0.0\} in all"):
+        train(cfg)
+    assert ray.available_resources().get("CPU") == 2.0

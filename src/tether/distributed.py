@@ -160,9 +160,10 @@ class TrainerRanks(RankView):
                 raise EnvironmentFault(
                     f"trainer {', '.join(dead)} exited before joining the process group (its "
                     "error is above)" if dead else
-                    f"trainer rank(s) {missing} did not start within {timeout:g} s "
-                    "(run.start_timeout): the machine may be overloaded; raise run.start_timeout "
-                    "or lower train.world_size")
+                    f"join: trainer rank(s) {missing} did not start within {timeout:g} s "
+                    "(run.start_timeout): the process did not reach the process group (its model "
+                    "load comes after and is not counted); the machine may be overloaded; raise "
+                    "run.start_timeout or lower train.world_size")
             try:
                 joined.add(joining.get(timeout=0.5))
             except queue_lib.Empty:

@@ -443,8 +443,8 @@ class RunConfig(Node):
         description="How many of the newest checkpoints to keep.")
     start_timeout: float = Field(
         120.0, gt=0.0, json_schema_extra=RESUMABLE,
-        description="Seconds to wait for what a run joins or starts outside this process before "
-        "it fails with exit status 5, naming it: the Ray cluster at loop.ray_address, a Ray "
-        "actor to be placed, a data-parallel trainer rank to join. Loading a model or an "
-        "engine is not counted.",
+        description="Seconds until exit status 5, naming the phase, for: the Ray cluster at "
+        "loop.ray_address to connect, the Ray actors' resources to be reserved (placement), a "
+        "trainer rank to join. A Ray actor's process start and engine build and a rank's model "
+        "load are not counted (a line every 30 s says which is still starting).",
     )

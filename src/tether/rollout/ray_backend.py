@@ -16,14 +16,19 @@ Imported only when the config asks for Ray (tether.rollout.backend.build_backend
   the object store holds the last whole version and the exact deltas after it; an actor
   fetches only the deltas newer than the version it holds. Because calls to an actor run
   in order, an item submitted after a publish is sampled with that version or newer.
-- Start: a cluster address that does not answer, or an actor Ray cannot place (no node
-  with the resources it asks for), fails within `run.start_timeout` with an
-  `EnvironmentFault` naming the key to check. An actor is placed first and builds its
-  engine after (`build`), so the bound never counts a long model load.
-- Faults: an actor that dies (its pending calls raise `RayActorError`) is replaced by a
-  new actor with the same index, offered the newest version, and each of its in-flight
+- Start (tether.rollout.ray_start): a cluster address that does not answer fails within
+  `run.start_timeout`; so does placement (one placement group reserves every worker's
+  resources, spread over the nodes), naming what each worker asks for and what the cluster
+  has. The process start and the engine build are not bounded: a line says every 30 s
+  which worker is still starting, and a build that fails stops the run with its own error.
+  An earlier driver's actors of the same run (a killed driver's, before Ray ends them)
+  are killed first, so a resumed run finds the resources free.
+- Faults: an actor that dies (its pending calls raise `RayActorError`; its node lost, say)
+  is replaced by a new actor with the same index in the same bundle (which Ray reserves
+  again on a surviving node), offered the newest version, and each of its in-flight
   items is returned as `Lost` (ledger: dropped `worker_died`, issued again). A worker
-  that keeps dying (`MAX_RESTARTS`) or raises stops the run with its error.
+  that keeps dying (`MAX_RESTARTS`) or raises stops the run with its error. A node that
+  joins mid-run hosts only such re-reserved bundles: the worker count is fixed at start.
 """
 
 from __future__ import annotations
@@ -41,6 +46,7 @@ from tether.config import Config
 from tether.errors import EnvironmentFault, InputError
 from tether.models import quiet_transformers
 from tether.rollout.backend import Lost
+from tether.rollout.ray_start import Startup, release, reserve, sweep
 from tether.rollout.worker import BatchResult, RolloutEngine, WorkItem
 from tether.setup import actor_config
 from tether.weights.publisher import DeltaSender, DeltaWeights, HeldWeights, PackedWeights, pack
@@ -48,10 +54,16 @@ from tether.weights.publisher import DeltaSender, DeltaWeights, HeldWeights, Pac
 try:
     import ray
     from ray.exceptions import RayActorError
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 except ImportError as e:  # the config check names the extra first; this is the fallback
     raise ImportError("loop.backend=ray needs Ray: pip install -e '.[ray]'") from e
 
 MAX_RESTARTS = 3  # per worker: an engine that cannot even start is not retried forever
+# Ray starts its workers at nice 15 so that its driver stays responsive. Here the workers
+# are the run's throughput: beside any process at nice 0 (another training on a shared
+# node, CI) a nice-15 actor gets about 3% of a core, and took 6 minutes to import its
+# modules on this 2-core machine with both cores busy. A local Ray runs them at nice 0.
+LOCAL_RAY_CONFIG = {"worker_niceness": 0}
 
 
 def actor_name(run_name: str, driver_pid: int, index: int, restart: int = 0) -> str:
@@ -62,8 +74,8 @@ def actor_name(run_name: str, driver_pid: int, index: int, restart: int = 0) -> 
 
 class RolloutActor:
     """A rollout worker in a Ray actor: an engine, the newest weights offered to it, and
-    batches made on request. Placed empty; `build` makes the engine (calls to an actor run
-    in order, so every `make` comes after it)."""
+    batches made on request. Placed empty; `ready` answers once its process is up, `build`
+    makes the engine (calls to an actor run in order, so every `make` comes after both)."""
 
     def __init__(self, index: int, cfg: Config, model_path: str):
         self.index, self.cfg, self.model_path = index, cfg, model_path
@@ -72,8 +84,10 @@ class RolloutActor:
         self.held = HeldWeights(cfg.loop.worker_threads)  # the newest version fetched
         self.idle_since = time.perf_counter()
 
-    def ready(self) -> None:
-        """Answers once the actor is placed and its process is up."""
+    def ready(self) -> int:
+        """Answers once the actor's process is up (its resources were reserved before), with
+        the process's niceness (Ray's `worker_niceness`; see `LOCAL_RAY_CONFIG`)."""
+        return os.nice(0)
 
     def build(self) -> None:
         quiet_transformers()
@@ -133,9 +147,12 @@ class RayBackend:
         self.remote_cls = ray.remote(RolloutActor)
         self.actors: list[Any] = []
         self.pending: dict[Any, tuple[int, Any, WorkItem]] = {}  # ref -> (index, actor, item)
+        self.group = None
         try:
+            sweep(run_name, os.getpid())
+            self.group = reserve(cfg, f"tether-{run_name}-{os.getpid()}", cfg.run.start_timeout)
+            self.startup = Startup(cfg, self.group)
             self.actors = [self._start(i) for i in range(cfg.loop.workers)]
-            self._await_placed(cfg.run.start_timeout)
         except BaseException:
             self.stop()
             raise
@@ -150,27 +167,17 @@ class RayBackend:
         self.published_bytes = self.whole_bytes = self.chain_bytes = 0
 
     def _start(self, index: int, restart: int = 0) -> Any:
+        """Worker `index`'s actor, in its bundle of the placement group: its process start and
+        engine build are followed by `Startup.poll`."""
         actor = self.remote_cls.options(
             name=actor_name(self.run_name, os.getpid(), index, restart),
             num_cpus=self.cfg.loop.worker_cpus, num_gpus=self.cfg.loop.worker_gpus,
             max_restarts=0,  # replaced by the driver, which knows which items were lost
+            scheduling_strategy=PlacementGroupSchedulingStrategy(
+                self.group, placement_group_bundle_index=index),
         ).remote(index, actor_config(self.cfg), self.model_path)
-        actor.build.remote()  # its error, if any, comes back with the first batch
+        self.startup.add(index, actor)
         return actor
-
-    def _await_placed(self, timeout: float) -> None:
-        """Every actor placed within `timeout` seconds, or an EnvironmentFault saying what
-        each asked for and what the cluster has free."""
-        waiting = {actor.ready.remote(): i for i, actor in enumerate(self.actors)}
-        ready, late = ray.wait(list(waiting), num_returns=len(waiting), timeout=timeout)
-        ray.get(ready)  # an actor that died starting raises here
-        if late:
-            c = self.cfg.loop
-            raise EnvironmentFault(
-                f"rollout worker actor(s) {sorted(waiting[r] for r in late)} not started within "
-                f"{timeout:g} s (run.start_timeout): each asks Ray for {c.worker_cpus:g} CPU and "
-                f"{c.worker_gpus:g} GPU (loop.worker_cpus, loop.worker_gpus), and the cluster "
-                f"has {_free()} free; lower them, or add nodes")
 
     def submit(self, item: WorkItem) -> None:
         load = [0] * len(self.actors)
@@ -199,10 +206,15 @@ class RayBackend:
         self.version = version
 
     def receive(self, timeout: float) -> list[BatchResult | Lost]:
+        """What came back within `timeout` seconds; first, how the actors still starting
+        fare (`Startup.poll`: a failed build raises its own error before the batches it
+        failed; an actor that died starting is replaced)."""
         if not self.pending:
             time.sleep(timeout)
+            self._poll_startup()
             return []
         ready, _ = ray.wait(list(self.pending), num_returns=1, timeout=timeout)
+        self._poll_startup()
         out: list[BatchResult | Lost] = []
         for ref in ready:
             index, actor, item = self.pending.pop(ref)
@@ -213,6 +225,10 @@ class RayBackend:
                     self._restart(index, e)
                 out.append(Lost(item, index, "worker_died"))
         return out
+
+    def _poll_startup(self) -> None:
+        for index, cause in self.startup.poll():
+            self._restart(index, cause)
 
     def _restart(self, index: int, cause: Exception) -> None:
         self.restarts[index] += 1
@@ -230,6 +246,9 @@ class RayBackend:
         for actor in self.actors:
             ray.kill(actor, no_restart=True)
         self.actors, self.pending = [], {}
+        if self.group is not None:
+            release(self.group)
+            self.group = None
         if self.started_ray:
             self.started_ray = False
             ray.shutdown()
@@ -245,7 +264,7 @@ def connect(address: str | None, timeout: float) -> None:
             "default), or leave loop.ray_address empty for a local Ray")
     if address in (None, "local"):
         # In this thread: Ray ends the processes it starts when the thread that started them ends.
-        ray.init(address="local", include_dashboard=False)
+        ray.init(address="local", include_dashboard=False, _system_config=LOCAL_RAY_CONFIG)
         return
     if address != "auto":
         host, port = _host_port(address, key)
@@ -281,9 +300,3 @@ def _host_port(address: str, key: str) -> tuple[str, int]:
     if not sep or not port.isdigit():
         raise InputError(f"{key}: expected 'auto', 'host:port' or 'ray://host:port'")
     return host.strip("[]"), int(port)
-
-
-def _free() -> dict[str, float]:
-    """What the cluster has free now, of CPUs and GPUs."""
-    free = ray.available_resources()
-    return {k: free.get(k, 0.0) for k in ("CPU", "GPU")}
