@@ -148,9 +148,6 @@ class Startup:
                   "the cluster with RAY_worker_niceness=0 ray start ... to give it a full "
                   "share", file=sys.stderr, flush=True)
 
-    def __contains__(self, index: int) -> bool:
-        return index in self.starting
-
 
 def build_error(index: int, e: RayTaskError) -> Exception:
     """The error an actor's engine build raised, as the run reports it: tether's own input
