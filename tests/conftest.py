@@ -28,6 +28,8 @@ SLOW = {
     "test_ray.py": "a real local Ray: actors placed, killed, replaced",
     "test_ray_nodes.py": "a real two-node Ray cluster: a node and a driver killed",
     "test_distributed.py": "gloo trainer ranks in their own processes",
+    "test_sharded.py": "FSDP2 trainer runs against replicated ones; a rank killed, resumed at 1 and 4",
+    "test_sharding.py": "FSDP2 primitives on two gloo ranks in their own processes",
     "test_vllm.py": "vLLM's CPU engine: start-up alone is tens of seconds",
     "test_vllm_loop.py": "a Countdown run with vLLM rollouts",
 }

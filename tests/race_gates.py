@@ -219,3 +219,21 @@ if (GATE / "rules.json").exists() and _rules().get("hold_build") and (_actor := 
     (GATE / f"building-{_actor}").touch()
     while not (GATE / "release-build").exists():
         time.sleep(POLL_S)
+
+
+def kill_rank_1_before(monkeypatch: Any, step: int) -> None:
+    """Trainer rank 1 (a process of this one) SIGKILLed and reaped as the synchronous loop's
+    `step`-th training step (1-based) starts, so rank 0 finds it gone at a known point."""
+    from tether.loops import sync_loop
+
+    real_train_step, calls = sync_loop.train_step, []
+
+    def train_step(*args: Any, **kwargs: Any) -> Any:
+        calls.append(1)
+        if len(calls) == step:
+            rank = next(p for p in multiprocessing.active_children() if p.name == "tether-rank-1")
+            rank.kill()
+            rank.join()
+        return real_train_step(*args, **kwargs)
+
+    monkeypatch.setattr(sync_loop, "train_step", train_step)

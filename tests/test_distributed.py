@@ -10,6 +10,7 @@ import multiprocessing
 import pytest
 import torch
 
+from tests.race_gates import kill_rank_1_before
 from tether.checkpoint import list_checkpoints, resume_config
 from tether.config import ConfigError, load_config
 from tether.distributed import RankFailed, start_ranks
@@ -17,7 +18,7 @@ from tether.errors import EnvironmentFault
 from tether.estimators import TokenBatch
 from tether.ledger import audit
 from tether.logger import read_jsonl
-from tether.loops import sync_loop, train
+from tether.loops import train
 from tether.models import load_model
 from tether.models.tokenizer import encode_exact
 from tether.rollout.hf import HFGenerator
@@ -156,17 +157,7 @@ def test_dead_rank_stops_the_run_with_a_checkpoint_and_resume_continues(warm_mod
 
     # Rank 1 dies between steps, at a known point: after steps 1 and 2, as step 3's
     # training starts (killed and reaped first, so rank 0 finds it gone).
-    real_train_step, calls = sync_loop.train_step, []
-
-    def kill_rank_1_before_step_3(*args, **kwargs):
-        calls.append(len(calls) + 1)
-        if len(calls) == 3:
-            rank = next(p for p in multiprocessing.active_children() if p.name == "tether-rank-1")
-            rank.kill()
-            rank.join()
-        return real_train_step(*args, **kwargs)
-
-    monkeypatch.setattr(sync_loop, "train_step", kill_rank_1_before_step_3)
+    kill_rank_1_before(monkeypatch, 3)
     with pytest.raises(RankFailed, match="trainer rank 1 .* died during step 3") as failure:
         train(_two_rank_run(warm_model_dir, broken, steps, "run.checkpoint_every=100"))
     monkeypatch.undo()

@@ -9,6 +9,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import tether.scoring.logprobs
 import tether.step
+import tether.weights.snapshots
 from tether.config import TrainConfig, load_config
 from tether.logger import read_jsonl
 from tether.loops import train
@@ -33,8 +34,8 @@ def test_pi_old_from_the_training_forward_changes_nothing(warm_model_dir, tmp_pa
         return rows, load_file(result_dir / "final/model.safetensors")
 
     scored = []
-    score_old = tether.step.score_at_versions
-    monkeypatch.setattr(tether.step, "score_at_versions",
+    score_old = tether.weights.snapshots.score_at_versions
+    monkeypatch.setattr(tether.weights.snapshots, "score_at_versions",
                         lambda *a: scored.append(1) or score_old(*a))
     fast_rows, fast_weights = run("reuse")
     assert not scored  # no old-logprob forward was run

@@ -13,7 +13,7 @@ import multiprocessing
 import pytest
 import torch
 
-import tether.step
+import tether.weights.snapshots
 from tether.config import load_config
 from tether.logger import read_jsonl
 from tether.loops import train
@@ -111,8 +111,8 @@ def test_worker_pi_old_is_the_trainers(warm_model_dir, worker_threads):
 def test_trainer_runs_no_pi_old_forward_when_workers_score(warm_model_dir, tmp_path,
                                                            monkeypatch, where):
     scored = []
-    score_old = tether.step.score_at_versions
-    monkeypatch.setattr(tether.step, "score_at_versions", lambda *a: scored.append(1) or score_old(*a))
+    score_old = tether.weights.snapshots.score_at_versions
+    monkeypatch.setattr(tether.weights.snapshots, "score_at_versions", lambda *a: scored.append(1) or score_old(*a))
     run_dir = tmp_path / "run"
     train(_cfg(warm_model_dir, f"run.dir={run_dir}", "train.steps=4", "loop.max_staleness=2",
                f"loop.score_old={where}"))

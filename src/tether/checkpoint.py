@@ -41,6 +41,7 @@ from tether.errors import InputError, os_errors_at
 
 FORMAT = 1
 CHECKPOINTS = "checkpoints"
+SHARDS = "shards"
 _STEP_DIR = re.compile(r"^step-(\d{8})$")
 
 RESUME_OVERRIDABLE = tuple(resumable_keys())
@@ -54,6 +55,14 @@ class Stateful(Protocol):
     def load_state_dict(self, state: dict[str, Any]) -> None: ...
 
 
+class Shards(Protocol):
+    """A sharded trainer's weights, moments and kept versions (tether.trainer.spmd): every
+    rank writes its own shards into one directory, and reads them back at any world size."""
+
+    def save(self, path: Path, versions: list[int]) -> None: ...
+    def load(self, path: Path, versions: list[int], counters: dict[str, Any]) -> None: ...
+
+
 @dataclass
 class RunState:
     """What a checkpoint holds: the objects the loop carries from step to step.
@@ -63,12 +72,15 @@ class RunState:
     state_dict() and load_state_dict(state, snapshots), and owns the generator's version
     and the snapshot store: restoring it puts the kept weights back (and reloads the
     generator, or cuts the ledger and re-issues what was in flight). `extra` takes any further
-    stateful part (name -> object with state_dict/load_state_dict).
+    stateful part (name -> object with state_dict/load_state_dict). `shards`, when the
+    trainer is sharded: the weights, moments and kept versions go to RUN_DIR/checkpoints/
+    step-N/shards (torch.distributed.checkpoint, each rank its own), the rest as above.
     """
 
     trainer: Any
     sync: Any
     extra: dict[str, Stateful] = field(default_factory=dict)
+    shards: Shards | None = None  # train.sharding=fsdp: weights, moments, kept versions
 
 
 # --- save / load -------------------------------------------------------------------------
@@ -85,6 +97,8 @@ def save_checkpoint(run_dir: str | Path, step: int, state: RunState, keep: int) 
     encoder = _Encoder()
     meta = encoder.encode(tree, "")
     tmp = Path(tempfile.mkdtemp(dir=root, prefix=f".tmp-step-{step:08d}-"))
+    if state.shards is not None:
+        state.shards.save(tmp / SHARDS, state.sync.snapshots.versions)
     with os_errors_at(tmp / "state.safetensors"):
         save_file(encoder.tensors, tmp / "state.safetensors", metadata={"format": "pt"})
     (tmp / "state.json").write_text(json.dumps({"format": FORMAT, "step": step, "state": meta}))
@@ -122,7 +136,7 @@ def load_checkpoint(run_dir: str | Path, state: RunState) -> int:
                 f"checkpoint {ckpt} cannot be read ({type(e).__name__}: {e}); remove that "
                 f"directory to resume from the one before it"
             ) from None
-        _restore(tree, state)
+        _restore(tree, state, ckpt)
     trim_metrics(run_dir / "metrics.jsonl", step if ckpt is not None else -1)  # none: start over
     return step
 
@@ -226,13 +240,16 @@ _TRAINER_WEIGHTS = "$trainer_weights"  # a snapshot equal to the trainer's weigh
 
 
 def _capture(step: int, state: RunState) -> dict[str, Any]:
-    trainer = state.trainer.state_dict()
     store, current = state.sync.snapshots, state.trainer.version
     snapshots = {}
-    for v in store.versions:
-        weights = store.state(v)
-        same = v == current and _equal(weights, trainer["model"])
-        snapshots[v] = _TRAINER_WEIGHTS if same else weights
+    if state.shards is not None:  # weights, moments and kept versions are in the shards
+        trainer = state.trainer.counters()
+    else:
+        trainer = state.trainer.state_dict()
+        for v in store.versions:
+            weights = store.state(v)
+            same = v == current and _equal(weights, trainer["model"])
+            snapshots[v] = _TRAINER_WEIGHTS if same else weights
     return {
         "step": step,
         "trainer": trainer,
@@ -243,10 +260,19 @@ def _capture(step: int, state: RunState) -> dict[str, Any]:
     }
 
 
-def _restore(tree: dict[str, Any], state: RunState) -> None:
-    state.trainer.load_state_dict(tree["trainer"])
-    weights = state.trainer.model.state_dict()
-    snapshots = {int(v): weights if w == _TRAINER_WEIGHTS else w for v, w in tree["snapshots"].items()}
+def _restore(tree: dict[str, Any], state: RunState, ckpt: Path) -> None:
+    if state.shards is not None:
+        if not (ckpt / SHARDS).is_dir():
+            raise InputError(f"checkpoint {ckpt} holds no {SHARDS}/: it was written by a "
+                             "trainer that was not sharded, so this run cannot resume from it")
+        state.shards.load(ckpt / SHARDS, [int(v) for v in tree["sync"]["snapshot_versions"]],
+                          tree["trainer"])  # every rank's trainer: its version and counters too
+        snapshots = {}
+    else:
+        state.trainer.load_state_dict(tree["trainer"])
+        weights = state.trainer.model.state_dict()
+        snapshots = {int(v): weights if w == _TRAINER_WEIGHTS else w
+                     for v, w in tree["snapshots"].items()}
     state.sync.load_state_dict(tree["sync"], snapshots)  # copies them; reloads the generator
     for name, part in state.extra.items():
         part.load_state_dict(tree["extra"][name])

@@ -1,31 +1,35 @@
-"""A data-parallel trainer: `train.world_size` = N ranks, each training on its shard of every
+"""The trainer's ranks: `train.world_size` = N processes, each training on its shard of every
 mini-batch, with the loss and gradient of the whole mini-batch.
 
-Rank 0 is the driver's own `Trainer` (it scores pi_old, logs, publishes and checkpoints as
-with one process), handed `TrainerRanks` as its collective; ranks 1..N-1 are processes
-(`torch.multiprocessing`, spawn) holding a copy of the model (placed with `run.device`,
-tether.setup) and optimizer, each handed a `RankView`, fed each step's batch through a
-queue. They meet in torch.distributed (`train.dist_backend`: gloo on CPU; nccl where the
-trainer's weights are on a GPU). Every rank starts from rank 0's state and applies the
-same summed gradient with the same optimizer, so the copies stay equal.
+Rank 0 is the driver's own `Trainer` (it logs, publishes and checkpoints as with one
+process), handed `TrainerRanks` as its collective; ranks 1..N-1 are processes
+(`torch.multiprocessing`, spawn) on this machine, each handed a `RankView`. They meet in
+torch.distributed (`train.dist_backend`: gloo on CPU; nccl where the trainer's weights are
+on a GPU), and rank 0's work reaches them through it too (`Channel`: a step's batch, or a
+call), never through host memory. Two ways to hold the model (`train.sharding`):
+
+- none: every rank holds a copy of the model (placed with `run.device`, tether.setup) and
+  optimizer, started from rank 0's state; every rank applies the same summed gradient
+  with the same optimizer, so the copies stay equal (DDP without its averaging).
+- fsdp: every rank holds an FSDP2 shard of the model, its gradients, moments and kept
+  versions (tether.trainer.sharding); whatever reads the weights runs on all of them
+  together (`TrainerRanks.call`, tether.trainer.spmd).
 
 The whole batch's gradient, not the mean of the ranks' (tether.trainer.core.Trainer._step):
 each rank scales its loss by its share of the mini-batch under the estimator's
 aggregation, with the denominator counted over *all* ranks: token-mean divides by the
 global number of response tokens (all-reduced first), the sequence means by the global
-number of sequences. The ranks' gradients are then summed (one all-reduce of a flat
-buffer: DDP's all-reduce without its averaging). The mean of per-rank token-means would
-weight each rank's tokens by 1 / its own count, a different, length-biased loss.
+number of sequences. The ranks' gradients are then summed (replicated: one all-reduce of a
+flat buffer; sharded: FSDP's reduce-scatter, as a sum). The mean of per-rank token-means
+would weight each rank's tokens by 1 / its own count, a different, length-biased loss.
 
 A rank that dies makes rank 0's next collective fail: `RankFailed` names it, and the loop
-stops with a checkpoint (docs/distributed.md).
+stops with a checkpoint (replicated) or names the last one (sharded; docs/distributed.md).
 """
 
 from __future__ import annotations
 
-import copy
 import dataclasses
-import os
 import queue as queue_lib
 import signal
 import socket
@@ -38,15 +42,20 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from tether.config import Config
 from tether.errors import EnvironmentFault, InputError, RankFailed
 from tether.models import quiet_transformers
-from tether.rollout.worker import next_or_orphaned
-from tether.setup import configure_numerics, load_policy, resolve_device, sampling_params
+from tether.setup import build_task_and_reward, configure_numerics, load_policy, resolve_device
+from tether.tasks.base import Task
 from tether.trainer import Trainer
+from tether.trainer.spmd import RankContext, rank_context
 
 TIMEOUT = timedelta(minutes=5)  # a collective waiting this long for a rank fails
+# The work channel's: between steps the ranks wait as long as rank 0 generates, evaluates
+# or checkpoints. A rank 0 that exits closes its connections, which ends the wait at once.
+IDLE = timedelta(days=7)
 
 
 class RankView:
@@ -104,6 +113,48 @@ class RankView:
             offset += n
 
 
+class Channel:
+    """Rank 0's work for the other ranks over torch.distributed, so that a rank may be on
+    another machine: the work's structure (each tensor replaced by its shape and dtype) in
+    one broadcast of a pickled object, then each tensor in a broadcast of its own (a pickled
+    tensor costs 5-10x as much). A gloo group of its own: host tensors on every backend, and
+    the `IDLE` timeout between steps."""
+
+    def __init__(self) -> None:
+        self.group = dist.new_group(backend="gloo", timeout=IDLE)
+
+    def send(self, obj: Any) -> None:
+        tensors: list[torch.Tensor] = []
+
+        def slot(t: torch.Tensor) -> Any:
+            tensors.append(t.detach().to("cpu").contiguous())
+            return _Slot(len(tensors) - 1, tuple(t.shape), t.dtype)
+
+        skeleton = _map_tensors(obj, slot)
+        dist.broadcast_object_list([skeleton], src=0, group=self.group)
+        for t in tensors:
+            dist.broadcast(t, src=0, group=self.group)
+
+    def recv(self) -> Any:
+        box: list[Any] = [None]
+        dist.broadcast_object_list(box, src=0, group=self.group)
+        slots: list[_Slot] = []
+        _map_slots(box[0], slots.append)
+        tensors = [torch.empty(s.shape, dtype=s.dtype) for s in sorted(slots, key=lambda s: s.index)]
+        for t in tensors:
+            dist.broadcast(t, src=0, group=self.group)
+        return _map_slots(box[0], lambda s: tensors[s.index])
+
+
+@dataclasses.dataclass(frozen=True)
+class _Slot:
+    """Where a tensor was in the work `Channel.send` broadcast: its place and layout."""
+
+    index: int
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+
 def resolve_backend(requested: str, params_on_gpu: bool) -> str:
     """`train.dist_backend`: auto -> nccl when the trainer's weights are on a GPU, else gloo."""
     if requested == "auto":
@@ -115,22 +166,22 @@ def resolve_backend(requested: str, params_on_gpu: bool) -> str:
 
 
 class TrainerRanks(RankView):
-    """Rank 0's collective: ranks 1..N-1 as processes, started from `state` (rank 0's
-    trainer state). `begin` sends them each step's batch, `stop` ends them."""
+    """Rank 0's collective: ranks 1..N-1 as processes, joined in one process group with
+    rank 0. `begin` sends them each step's batch, `call` any other work (sharded: everything
+    that reads the weights, tether.trainer.spmd), `stop` ends them. `ctx`: rank 0's own
+    RankContext, set once its trainer exists."""
 
-    def __init__(self, state: dict[str, Any], cfg: Config, model_path: str | Path,
-                 device: torch.device):
+    def __init__(self, cfg: Config, model_path: str | Path, device: torch.device):
         W = cfg.train.world_size
         super().__init__(0, W)
         backend = resolve_backend(cfg.train.dist_backend, device.type == "cuda")
         init = f"tcp://127.0.0.1:{_free_port()}"
         ctx = torch.multiprocessing.get_context("spawn")
-        self.queues = [ctx.Queue() for _ in range(W - 1)]
         self.placed = ctx.Queue()  # (rank, device) from each rank once its model is placed
         joining = ctx.Queue()  # each rank's number, just before it joins the process group
         self.procs = [ctx.Process(target=_rank_main, daemon=True, name=f"tether-rank-{r}",
                                   args=(r, W, backend, init, cfg, str(model_path),
-                                        self.queues[r - 1], self.placed, joining, os.getpid()))
+                                        self.placed, joining))
                       for r in range(1, W)]
         for p in self.procs:
             p.start()
@@ -139,10 +190,20 @@ class TrainerRanks(RankView):
         if device.type == "cuda":
             torch.cuda.set_device(device)  # nccl's collectives (all_gather_object) use it
         dist.init_process_group(backend, init_method=init, rank=0, world_size=W, timeout=TIMEOUT)
-        state = _shared(state)  # each rank moves it to its own device
-        for q in self.queues:
-            q.put(state)  # every rank starts from rank 0's weights and optimizer moments
+        self.channel = Channel()
         self.device, self._devices = str(device), None
+        self.ctx: RankContext | None = None
+
+    def call(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """`fn(ctx, *args)` on every rank together (each its own RankContext); rank 0's result.
+        A collective in it that fails raises `RankFailed` (the weights intact: no call but
+        the training step's changes them)."""
+        self.check(intact=True)
+        self.channel.send((fn, args))
+        try:
+            return fn(self.ctx, *args)
+        except RuntimeError as e:  # a collective failed: a rank is likely gone
+            self.failed(e, intact=True)
 
     def _await_joining(self, joining: Any, timeout: float) -> None:
         """Every rank about to join within `timeout` seconds; else end them all and raise an
@@ -186,9 +247,7 @@ class TrainerRanks(RankView):
     def begin(self, *work: Any) -> None:
         """Hand the other ranks this step's (batch, advantages, logp_old, topk_logp_old)."""
         self.check(intact=True)
-        work = _shared(work)
-        for q in self.queues:
-            q.put(work)
+        self.channel.send((train, work))
 
     def failed(self, cause: Exception, intact: bool) -> None:
         self.check(intact, cause)
@@ -223,8 +282,7 @@ class TrainerRanks(RankView):
         if self.closed:
             return
         self.closed = True
-        for q in self.queues:
-            q.put(None)
+        self.channel.send(None)
         for p in self.procs:
             p.join(timeout=10.0)
             if p.is_alive():
@@ -233,28 +291,40 @@ class TrainerRanks(RankView):
 
 
 class OneRank:
-    """`train.world_size=1`: no other ranks; stopping them is nothing (keeps the loops free
-    of `if world_size > 1`)."""
+    """`train.world_size=1`, not sharded: no other ranks; stopping them is nothing (keeps the
+    loops free of `if world_size > 1`)."""
 
     def stop(self) -> None:
         pass
 
 
 def start_ranks(trainer: Trainer, cfg: Config, model_path: str | Path) -> TrainerRanks | OneRank:
-    """With `train.world_size` > 1, start the other ranks from `trainer`'s state and hand
-    it their collective (it becomes rank 0)."""
+    """Replicated (`train.sharding=none`) with `train.world_size` > 1: start the other ranks
+    from `trainer`'s state and hand it their collective (it becomes rank 0)."""
     if cfg.train.world_size == 1:
         return OneRank()
-    ranks = TrainerRanks(trainer.state_dict(), cfg, model_path,
-                         next(trainer.model.parameters()).device)
+    ranks = TrainerRanks(cfg, model_path, next(trainer.model.parameters()).device)
+    ranks.channel.send(trainer.state_dict())  # every rank starts from rank 0's weights and moments
     trainer.attach(ranks)
     return ranks
 
 
+def start_sharded(cfg: Config, model_path: str | Path, model: PreTrainedModel,
+                  tokenizer: PreTrainedTokenizerBase, task: Task, reward_fn: Any,
+                  ) -> TrainerRanks:
+    """`train.sharding=fsdp`: the other ranks started (each loads the model from `model_path`
+    as rank 0 did), then `model` sharded over all of them and rank 0's trainer built on it:
+    `ranks.ctx.trainer`."""
+    ranks = TrainerRanks(cfg, model_path, next(model.parameters()).device)
+    ranks.ctx = rank_context(cfg, model, tokenizer, ranks, task, reward_fn)
+    return ranks
+
+
 def _rank_main(rank: int, world_size: int, backend: str, init: str, cfg: Config,
-               model_path: str, work: Any, placed: Any, joining: Any, parent_pid: int) -> None:
-    """A trainer rank > 0: the model on `run.device` and the optimizer, then one `train_on`
-    per batch sent."""
+               model_path: str, placed: Any, joining: Any) -> None:
+    """A trainer rank > 0: the model on `run.device` and the optimizer (replicated: rank 0's
+    state, sent; sharded: its shards of the model it loaded), then whatever rank 0 sends:
+    a training step's batch, or a call (tether.trainer.spmd), until it sends None."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C: rank 0 finishes the step, then stops us
     quiet_transformers()
     configure_numerics(cfg)
@@ -264,18 +334,24 @@ def _rank_main(rank: int, world_size: int, backend: str, init: str, cfg: Config,
     joining.put(rank)
     dist.init_process_group(backend, init_method=init, rank=rank, world_size=world_size,
                             timeout=TIMEOUT)
-    _, model, _ = load_policy(cfg, model_path, device)
+    channel = Channel()  # each rank makes its groups in rank 0's order
+    _, model, tokenizer = load_policy(cfg, model_path, device)
     placed.put((rank, str(device)))  # TrainerRanks.devices
     print(f"tether: trainer rank {rank} ready on {device}", file=sys.stderr, flush=True)
-    trainer = Trainer(model, cfg.train, sampling_params(cfg, model.config.vocab_size))
-    trainer.attach(RankView(rank, world_size))
-    # A copy of its own: the queue hands over rank 0's tensors in shared memory, and the
-    # optimizer keeps loaded moments without copying them, so a resumed run's ranks would
-    # otherwise update one set of Adam moments (and step counts) in place, twice a step.
-    trainer.load_state_dict(on_device(copy.deepcopy(work.get()), device))
-    while (item := next_or_orphaned(work, parent_pid)) is not None:
-        trainer.train_on(*on_device(item, device))
+    sharded = cfg.train.sharding == "fsdp"
+    task, reward_fn = build_task_and_reward(cfg) if sharded else (None, None)
+    ctx = rank_context(cfg, model, tokenizer, RankView(rank, world_size), task, reward_fn)
+    if not sharded:
+        ctx.trainer.load_state_dict(on_device(channel.recv(), device))
+    while (item := channel.recv()) is not None:
+        fn, args = item
+        fn(ctx, *on_device(args, device))
     dist.destroy_process_group()
+
+
+def train(ctx: RankContext, *work: Any) -> None:
+    """A training step on a rank > 0 (`TrainerRanks.begin`)."""
+    ctx.trainer.train_on(*work)
 
 
 def rank_device(device: torch.device, rank: int, gpus: int) -> torch.device:
@@ -298,28 +374,26 @@ def on_device(obj: Any, device: torch.device | str) -> Any:
     return _map_tensors(obj, lambda t: t.to(device))
 
 
-def _shared(obj: Any) -> Any:
-    """`obj` with every tensor in it in host shared memory, moved there now, in this thread.
-
-    Host memory: a CUDA tensor would reach another rank as a handle to this rank's GPU,
-    valid only while this rank keeps it, and on the wrong device for them. Now: a
-    torch.multiprocessing queue would otherwise move a CPU tensor in its feeder thread,
-    after `put` returns: the storage is replaced in place and the old one freed while this
-    thread may still be reading it (seen: a segfault in a matmul of the evaluation that
-    follows `start_ranks`)."""
-    return _map_tensors(obj, lambda t: t.to("cpu").share_memory_())
-
-
-def _map_tensors(obj: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
+def _map_tensors(obj: Any, fn: Callable[[torch.Tensor], Any]) -> Any:
     """`obj` (tensors in dicts, lists, tuples, dataclasses) with `fn` applied to each tensor."""
-    if isinstance(obj, torch.Tensor):
+    return _map_leaves(obj, torch.Tensor, fn)
+
+
+def _map_slots(obj: Any, fn: Callable[[_Slot], Any]) -> Any:
+    return _map_leaves(obj, _Slot, fn)
+
+
+def _map_leaves(obj: Any, kind: type, fn: Callable[[Any], Any]) -> Any:
+    """`obj` with `fn` applied to each value of type `kind` in its dicts, lists, tuples and
+    dataclasses."""
+    if isinstance(obj, kind):
         return fn(obj)
     if isinstance(obj, dict):
-        return {k: _map_tensors(v, fn) for k, v in obj.items()}
+        return {k: _map_leaves(v, kind, fn) for k, v in obj.items()}
     if isinstance(obj, (list, tuple)):
-        return type(obj)(_map_tensors(v, fn) for v in obj)
+        return type(obj)(_map_leaves(v, kind, fn) for v in obj)
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        return dataclasses.replace(obj, **{f.name: _map_tensors(getattr(obj, f.name), fn)
+        return dataclasses.replace(obj, **{f.name: _map_leaves(getattr(obj, f.name), kind, fn)
                                            for f in dataclasses.fields(obj) if f.init})
     return obj
 

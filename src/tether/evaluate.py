@@ -9,11 +9,12 @@ generator's.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+from tether.config import Config
 from tether.defaults import EVAL_BATCH_SIZE, MAX_NEW_TOKENS
 from tether.models.tokenizer import encode_exact
 from tether.rollout.hf import sample_tokens
@@ -76,3 +77,21 @@ def greedy_accuracy(
     """Share of held-out problems whose greedy answer earns the full reward."""
     greedy = SamplingParams(n=1, temperature=0.0, max_new_tokens=max_new_tokens)
     return heldout_scores(model, tokenizer, task, greedy, batch_size=batch_size).accuracy
+
+
+def heldout_metrics(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, task: Task,
+                    reward_fn: Callable[[Problem, str], Reward] | None, sampling: SamplingParams,
+                    cfg: Config) -> dict[str, float]:
+    """A run's held-out evaluation at `model`'s weights (the trainer's): greedy accuracy, and
+    with `eval.samples` the accuracy and mean reward sampled like the rollouts: the
+    trainer-side counterpart of the batch's reward/mean, which is the generator's (weights
+    possibly versions old)."""
+    out = {"eval/accuracy": greedy_accuracy(model, tokenizer, task, cfg.rollout.max_new_tokens,
+                                            cfg.eval.batch_size)}
+    if cfg.eval.samples:
+        sampled = heldout_scores(
+            model, tokenizer, task, replace(sampling, n=cfg.eval.samples, logprobs_topk=0),
+            seed=cfg.run.seed + 7919 if cfg.eval.seed is None else cfg.eval.seed,
+            batch_size=cfg.eval.batch_size, reward_fn=reward_fn)
+        out |= {"eval/accuracy_sampled": sampled.accuracy, "eval/reward_sampled": sampled.reward}
+    return out

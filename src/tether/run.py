@@ -8,19 +8,22 @@ asynchronous one (engines in worker processes), so each loop builds its own (tet
 
 from __future__ import annotations
 
+import copy
 import os
 import shutil
 import time
-from dataclasses import dataclass, replace
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from tether.checkpoint import RunState, check_fresh_run_dir, list_checkpoints, load_checkpoint
 from tether.config import Config, dump_config
+from tether.distributed import TrainerRanks, start_sharded
 from tether.errors import EnvironmentFault, describe_os_error, os_errors_at
-from tether.evaluate import greedy_accuracy, heldout_scores
 from tether.guards import check_prompts
 from tether.logger import RunLogger, open_logger
 from tether.models.tokenizer import encode_exact
@@ -35,6 +38,16 @@ from tether.setup import (
 )
 from tether.tasks.base import Task
 from tether.trainer import Trainer
+from tether.trainer.spmd import (
+    Gathered,
+    RankContext,
+    ShardedCheckpoint,
+    ShardedSnapshots,
+    evaluate,
+    export,
+    rank_context,
+)
+from tether.weights.snapshots import SnapshotStore
 
 
 @dataclass
@@ -61,6 +74,14 @@ class Run:
     sampling: SamplingParams
     trainer: Trainer
     probe: list[list[int]]  # the current-model monitor's prompts (held-out)
+    ctx: RankContext  # rank 0's parts (the trainer's)
+    ranks: TrainerRanks | None  # train.sharding=fsdp: every trainer rank, started with the run
+    whole: PreTrainedModel  # for an in-process generator: `model`, or under fsdp its own copy
+
+    def call(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """`fn(ctx, *args)` with the trainer's weights (tether.trainer.spmd): here, or sharded
+        on every trainer rank together."""
+        return self.ranks.call(fn, *args) if self.ranks is not None else fn(self.ctx, *args)
 
     def sampling_seed(self, index: int) -> int:
         """The generator's seed for the `index`-th rollout batch (a step, or an async slot)."""
@@ -74,21 +95,25 @@ class Run:
                           cfg.log.wandb_mode, cfg.model_dump(mode="json"))
         return start, log
 
+    def weights(self) -> Mapping[str, torch.Tensor]:
+        """The trainer's current weights as a state dict (sharded: gathered when first read)."""
+        return Gathered(self.ranks) if self.ranks is not None else self.model.state_dict()
+
+    def snapshots(self) -> SnapshotStore | ShardedSnapshots:
+        """The store of kept versions `weights.*` asks for (sharded: each rank its shards)."""
+        if self.ranks is not None:
+            assert self.ctx.kept is not None
+            return ShardedSnapshots(self.ranks, self.ctx.kept)
+        return SnapshotStore.of(self.cfg, self.model)
+
+    def state(self, sync: Any) -> RunState:
+        """What a checkpoint holds, with the loop's synchronizer (or scheduler) `sync`."""
+        shards = ShardedCheckpoint(self.ranks) if self.ranks is not None else None
+        return RunState(self.trainer, sync, shards=shards)
+
     def evaluate(self) -> dict[str, float]:
-        """Held-out accuracy at the trainer's weights, greedy and sampled like the rollouts,
-        and the sampled responses' mean reward: the trainer-side counterpart of the batch's
-        reward/mean, which is the generator's (weights possibly versions old)."""
-        cfg, r = self.cfg, self.cfg.rollout
-        out = {"eval/accuracy": greedy_accuracy(self.model, self.tokenizer, self.task,
-                                                r.max_new_tokens, cfg.eval.batch_size)}
-        if cfg.eval.samples:
-            sampled = heldout_scores(
-                self.model, self.tokenizer, self.task,
-                replace(self.sampling, n=cfg.eval.samples, logprobs_topk=0),
-                seed=cfg.run.seed + 7919 if cfg.eval.seed is None else cfg.eval.seed,
-                batch_size=cfg.eval.batch_size, reward_fn=self.reward_fn)
-            out |= {"eval/accuracy_sampled": sampled.accuracy, "eval/reward_sampled": sampled.reward}
-        return out
+        """Held-out accuracy at the trainer's weights (tether.evaluate.heldout_metrics)."""
+        return self.call(evaluate)
 
     def eval_due(self, step: int) -> bool:
         """After `step` steps: every eval.every steps and after the last one."""
@@ -100,7 +125,10 @@ class Run:
         """Save the trained model (safetensors, loads with from_pretrained); the result."""
         final = self.run_dir / "final"
         with os_errors_at(final / "model.safetensors"):
-            self.model.save_pretrained(final)
+            if self.ranks is not None:
+                self.ranks.call(export, final)  # gathered, written by rank 0
+            else:
+                self.model.save_pretrained(final)
         self.tokenizer.save_pretrained(final)
         return RunResult(self.run_dir, before["eval/accuracy"], after["eval/accuracy"],
                          before.get("eval/accuracy_sampled"), after.get("eval/accuracy_sampled"),
@@ -120,11 +148,17 @@ def build_run(cfg: Config, resume: bool = False) -> Run:
     check_routing_replay(cfg.train.routing_replay, model)
     check_prompts(task, tokenizer, getattr(model.config, "max_position_embeddings", None),
                   r.max_new_tokens, cfg.train.steps * r.prompts_per_step)
-    trainer = Trainer(model, cfg.train, sampling)
+    ranks, whole = None, model
+    if cfg.train.sharding == "fsdp":
+        whole = copy.deepcopy(model)  # no trainer rank will hold the whole model
+        ranks = start_sharded(cfg, model_path, model, tokenizer, task, reward_fn)
+        ctx = ranks.ctx
+    else:
+        ctx = rank_context(cfg, model, tokenizer, task=task, reward_fn=reward_fn)
     probe = [encode_exact(tokenizer, p.prompt)
              for p in task.eval_problems()[:cfg.diagnostics.monitor_prompts]]
-    return Run(cfg, run_dir, task, reward_fn, model_path, model, tokenizer, sampling, trainer,
-               probe)
+    return Run(cfg, run_dir, task, reward_fn, model_path, model, tokenizer, sampling,
+               ctx.trainer, probe, ctx, ranks, whole)
 
 
 def with_run_dir(cfg: Config) -> Config:

@@ -37,9 +37,10 @@ from tether.models.routing import is_moe
 from tether.monitor import current_model_monitor
 from tether.rollout.types import Rollout, SamplingParams
 from tether.scoring import RolloutTensors, score_batch
-from tether.scoring.versions import ModelAt, score_at_versions
+from tether.scoring.versions import ModelAt
 from tether.tasks.base import is_correct
 from tether.trainer import Trainer, group_advantages, mean_metrics
+from tether.trainer.spmd import ShardedSnapshots
 from tether.weights.snapshots import SnapshotStore
 
 log = logging.getLogger("tether.diagnostics")
@@ -56,19 +57,18 @@ class OldLogprobs:
 
 
 def old_logprobs(trainer: Trainer, batch: RolloutTensors,
-                 snapshots: SnapshotStore) -> tuple[OldLogprobs, RolloutTensors]:
+                 snapshots: SnapshotStore | ShardedSnapshots) -> tuple[OldLogprobs, RolloutTensors]:
     """pi_old of `batch` and the batch the training forwards are to score (`score_at_versions`):
     as the rollout worker scored it (`loop.score_old=worker`: the same code at the same
     versions, off the trainer's critical path), or left to the training forward when that
     gives the same numbers without a forward of its own, or scored here at the versions
     that sampled each token (the trainer's own weights for its current version, else the
-    kept snapshot)."""
+    kept snapshot; sharded, on every rank)."""
     if batch.logp_old is not None:
         return OldLogprobs(batch.logp_old, batch.topk_logp_old), batch
     if reuses_training_forward(trainer, batch):
         return OldLogprobs(None, None), batch
-    model_at = lambda v: trainer.model if v == trainer.version else snapshots.model_at(v)
-    logp, topk, batch = score_at_versions(trainer, batch, model_at)
+    logp, topk, batch = snapshots.pi_old(trainer, batch)
     return OldLogprobs(logp, topk), batch
 
 
@@ -178,7 +178,7 @@ def train_step(trainer: Trainer, batch: RolloutTensors, rollouts: list[Rollout],
     rows, logp = trainer.train_on(batch, advantages, old.logp, old.topk)
     logp_old = old.logp
     if logp_old is None:
-        logp_old = logp if logp is not None else trainer.score_old(batch, trainer.model)[0]
+        logp_old = logp if logp is not None else trainer.score_now(batch)
     metrics = {**mean_metrics(rows), **batch_metrics(batch, rollouts),
                "time/train": time.perf_counter() - t0}
     if seq_weights and logp is not None:

@@ -15,6 +15,7 @@ from tether.config.base import ConfigError, CrossFieldError
 from tether.config.checks import resolve_logprobs_topk
 from tether.config.fields import SECTIONS, describe_fields, format_fields
 from tether.config.load import dump_config, load_config, parse_overrides
+from tether.config.loop import LoopConfig
 from tether.config.schema import Config, resumable_keys
 from tether.config.sections import (
     DEFAULT_CENTERING_TOPK,
@@ -22,7 +23,6 @@ from tether.config.sections import (
     DiagnosticsConfig,
     EvalConfig,
     LogConfig,
-    LoopConfig,
     ModelConfig,
     RewardConfig,
     RolloutConfig,

@@ -7,12 +7,12 @@ from __future__ import annotations
 from pydantic import BaseModel, Field, model_validator
 
 from tether.config.base import CrossFieldError, Node
+from tether.config.loop import LoopConfig
 from tether.config.sections import (
     RESUMABLE,
     DiagnosticsConfig,
     EvalConfig,
     LogConfig,
-    LoopConfig,
     ModelConfig,
     RewardConfig,
     RolloutConfig,
@@ -93,6 +93,15 @@ class Config(Node):
                 "vLLM sets up torch.distributed's default process group for itself (and ends it "
                 "on close), so the trainer ranks cannot have it; use loop.mode=async (vLLM then "
                 "runs in rollout workers), or rollout.engine=hf"
+            )
+        if self.train.sharding == "fsdp" and (self.loop.mode, self.rollout.engine) != ("sync", "hf"):
+            raise CrossFieldError(
+                ["train.sharding", "loop.mode", "rollout.engine"],
+                f"train.sharding=fsdp with loop.mode={self.loop.mode} and rollout.engine="
+                f"{self.rollout.engine}: the sharded trainer runs the synchronous loop with the hf "
+                "engine so far (the asynchronous loop's workers and vLLM come next, "
+                "docs/distributed.md); set loop.mode=sync and rollout.engine=hf, or "
+                "train.sharding=none"
             )
         if self.loop.score_old == "worker" and self.train.routing_replay == "r2":
             raise CrossFieldError(

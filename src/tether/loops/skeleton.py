@@ -16,6 +16,7 @@ when the failure left them intact.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable, Iterator
 from types import TracebackType
@@ -24,6 +25,7 @@ from typing import Any, Self
 from tqdm import tqdm
 
 from tether.checkpoint import RunState, checkpoint_due, latest_checkpoint, save_checkpoint
+from tether.config import DiagnosticsConfig
 from tether.distributed import start_ranks
 from tether.dump import DumpWriter
 from tether.errors import RankFailed
@@ -31,6 +33,8 @@ from tether.guards import STOP
 from tether.logger import read_jsonl
 from tether.run import Run, RunResult
 from tether.step import Diagnostics
+
+log = logging.getLogger("tether.diagnostics")
 
 
 class Session:
@@ -40,15 +44,18 @@ class Session:
         self.run, self.state, self.on_stop = run, state, on_stop
         self._close = list(close or [])
         try:
+            if run.ranks is not None:  # sharded: started with the run, every rank loads the checkpoint
+                self._close.insert(0, run.ranks.stop)
             self.start, self.log = run.start(state, resume)  # the step the run goes on from
             self._close.append(self.log.close)
-            self._close.insert(0, start_ranks(run.trainer, run.cfg, run.model_path).stop)
+            if run.ranks is None:
+                self._close.insert(0, start_ranks(run.trainer, run.cfg, run.model_path).stop)
         except BaseException:
             self._teardown()
             raise
         self.done = self.start  # steps completed
         tok, t = run.tokenizer, run.cfg.train
-        self.diagnose = Diagnostics(run.cfg.diagnostics, run.model, run.sampling, run.probe,
+        self.diagnose = Diagnostics(_diagnostics(run), run.model, run.sampling, run.probe,
                                     tok.eos_token_id, tok.pad_token_id, t.micro_batch,
                                     t.routing_replay, t.precision, self._dump())
         self.before: dict[str, Any] = {}
@@ -122,17 +129,20 @@ class Session:
         return dump
 
     def _rank_failed(self, error: RankFailed) -> RankFailed:
-        """Checkpoint the state after the last whole step when the failure left it intact;
-        the error to stop the run with."""
+        """Checkpoint the state after the last whole step when the failure left it intact
+        (replicated: rank 0 holds all of it; sharded, every rank writes its own shards, so
+        the last checkpoint is the one to resume from); the error to stop the run with."""
         run_dir, step = self.run.run_dir, self.done
         self.on_stop()
-        if error.intact:
+        if error.intact and self.run.ranks is None:
             save_checkpoint(run_dir, step, self.state, keep=self.run.cfg.run.keep_checkpoints)
             where = f"a checkpoint was saved after step {step}"
         else:
             last = latest_checkpoint(run_dir)
-            where = (f"the step had begun updating the weights; the last checkpoint is {last}"
-                     if last else "the step had begun updating the weights and no checkpoint exists")
+            why = ("the sharded trainer cannot write one without the rank" if error.intact
+                   else "the step had begun updating the weights")
+            where = (f"{why}; the last checkpoint is {last}" if last else
+                     f"{why} and no checkpoint exists")
         return RankFailed(f"{error} during step {step + 1}; {where}: continue with "
                           f"`tether train --resume {run_dir}`", error.intact)
 
@@ -148,6 +158,19 @@ class Session:
         self._close = []
         if errors:
             raise errors[0]
+
+
+def _diagnostics(run: Run) -> DiagnosticsConfig:
+    """`diagnostics.*`, with the MoE routing comparison and the current-model monitor off
+    under train.sharding=fsdp, saying so once: both read a whole trainer model at a version,
+    which no rank holds."""
+    d = run.cfg.diagnostics
+    if run.ranks is None or not (d.routing or d.monitor_every):
+        return d
+    log.warning("tether: diagnostics.routing and diagnostics.monitor_every are off under "
+                "train.sharding=fsdp (they read a whole trainer model, which no rank holds); "
+                "set them to false and 0 to silence this")
+    return d.model_copy(update={"routing": False, "monitor_every": 0})
 
 
 def _progress(row: dict[str, Any]) -> dict[str, str]:

@@ -10,7 +10,6 @@ end-of-step tail and teardown: tether.loops.skeleton; the step: tether.step.
 
 from __future__ import annotations
 
-from tether.checkpoint import RunState
 from tether.config import Config
 from tether.loops.skeleton import Clock, Session
 from tether.rollout.worker import rewarded_rollouts
@@ -20,16 +19,15 @@ from tether.setup import build_generator
 from tether.step import old_logprobs, train_step
 from tether.weights.gate import StalenessGate
 from tether.weights.publisher import InProcessPublisher
-from tether.weights.snapshots import SnapshotStore
 from tether.weights.synchronizer import Synchronizer
 
 
 def train_sync(cfg: Config, resume: bool = False) -> RunResult:
     run = build_run(cfg, resume)
     model, trainer, tokenizer, r = run.model, run.trainer, run.tokenizer, cfg.rollout
-    generator = build_generator(cfg, model, run.model_path, tokenizer)  # one, in this process
-    gate, snapshots = StalenessGate.of(cfg), SnapshotStore.of(cfg, model)  # the policy; kept versions
-    sync = Synchronizer(gate.policy, InProcessPublisher(generator), snapshots, model.state_dict(),
+    generator = build_generator(cfg, run.whole, run.model_path, tokenizer)  # one, in this process
+    gate, snapshots = StalenessGate.of(cfg), run.snapshots()  # the policy; kept versions
+    sync = Synchronizer(gate.policy, InProcessPublisher(generator), snapshots, run.weights(),
                         cfg.sync.lag)
     generator_model = lambda v: getattr(generator, "model", None)  # vLLM: None (in its engine)
 
@@ -40,7 +38,7 @@ def train_sync(cfg: Config, resume: bool = False) -> RunResult:
                                      run.sampling, seed=run.sampling_seed(step))
         return rollouts, collate(rollouts, tokenizer.pad_token_id, model.device)
 
-    with Session(run, RunState(trainer, sync), resume, close=[generator.close]) as s:
+    with Session(run, run.state(sync), resume, close=[generator.close]) as s:
         for step in s.steps():
             clock = Clock()
             # 1. Generate: G rewarded samples per prompt at the generator's weight version.
@@ -54,7 +52,7 @@ def train_sync(cfg: Config, resume: bool = False) -> RunResult:
             #    current weights is below tau is dropped; the generator re-syncs and the
             #    prompts are sampled again.
             if gate.before(batch, old.logp, trainer):
-                sync.resync(trainer.version, model.state_dict())
+                sync.resync(trainer.version, run.weights())
                 rollouts, batch = sample(step)
                 old, batch = old_logprobs(trainer, batch, snapshots)
             clock.lap("sync")
@@ -70,7 +68,7 @@ def train_sync(cfg: Config, resume: bool = False) -> RunResult:
             # 6. Sync: the policy (the gate's trip, interval) and sync.lag decide the
             #    generator's next version.
             tripped = gate.after(out.logp, trainer)
-            sync_metrics = sync.after_step(step, trainer.version, model.state_dict(), tripped)
+            sync_metrics = sync.after_step(step, trainer.version, run.weights(), tripped)
             clock.lap("sync")
             # 7. Log, evaluate every E steps and at the end; checkpoint every K steps; on
             #    repeated bad steps or SIGINT/SIGTERM, checkpoint and stop.

@@ -12,8 +12,10 @@ master weights untouched.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -138,8 +140,27 @@ class Scores:
 LOGIT_CHUNK_ELEMENTS = {"cpu": 1 << 24, "cuda": 1 << 28}
 
 
+# A model sharded with FSDP2 (tether.trainer.sharding) has this method, registered as a
+# forward of its root unit: what runs inside it has the root's weights (embeddings, final
+# norm, LM head) gathered, and their gradients reduced after the backward, as in `model(...)`.
+FORWARD_METHOD = "tether_forward"
+
+
+def as_forward(model: nn.Module, fn: Callable[..., Any], *args: Any) -> Any:
+    """`fn(*args)` as `model`'s forward (`FORWARD_METHOD`); fn itself for a model without it.
+    tether's forwards call the decoder and the output embedding apart, not `model(...)`."""
+    method = getattr(model, FORWARD_METHOD, None)
+    return fn(*args) if method is None else method(fn, *args)
+
+
 def score_tokens(model: PreTrainedModel, batch: RolloutTensors, sampling: SamplingParams,
                  record: bool = False, precision: str = "fp32") -> Scores:
+    """`_score_tokens` as the model's forward (`as_forward`)."""
+    return as_forward(model, _score_tokens, model, batch, sampling, record, precision)
+
+
+def _score_tokens(model: PreTrainedModel, batch: RolloutTensors, sampling: SamplingParams,
+                  record: bool, precision: str) -> Scores:
     """Log-probs of the sampled tokens and of the top-K ids under `model`, replaying
     `batch.routed_experts` when set; `record`: also the experts its MoE layers used.
     `precision`: the trainer's numerics (`autocast`) up to the output embedding, which

@@ -7,6 +7,7 @@ and each other rank its own view; the trainer calls the same methods either way.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, Protocol
 
 import torch
@@ -33,6 +34,11 @@ class Collective(Protocol):
 
     def sum(self, x: torch.Tensor) -> torch.Tensor:
         """`x` summed over ranks (a copy)."""
+        ...
+
+    def call(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """Rank 0 of a sharded trainer: `fn(ctx, *args)` on every rank together, each on its
+        own RankContext (tether.trainer.spmd); rank 0's result."""
         ...
 
     def gather(self, obj: Any) -> list[Any]:

@@ -21,6 +21,7 @@ from tether.guards import StepGuard, first_nonfinite
 from tether.rollout.types import SamplingParams
 from tether.scoring import RolloutTensors, TokenScorer, token_logprobs
 from tether.trainer.collective import Collective, Solo
+from tether.trainer.sharding import full_value, is_sharded, resharded
 
 
 class Trainer(TokenScorer):
@@ -37,6 +38,10 @@ class Trainer(TokenScorer):
         self.version = 0
         self.guard = StepGuard(cfg.max_bad_steps)
         self.collective: Collective = Solo()
+        # Sharded (train.sharding=fsdp), every forward and backward gathers or reduces over
+        # the ranks: each rank runs all of them, even after a bad micro-batch, and FSDP
+        # reduce-scatters the gradients (a sum) in each micro-batch's backward.
+        self.lockstep = is_sharded(model)
 
     def attach(self, collective: Collective) -> None:
         """Train as one rank of `collective` (tether.distributed) from now on."""
@@ -45,13 +50,28 @@ class Trainer(TokenScorer):
     def state_dict(self) -> dict[str, Any]:
         """What a checkpoint needs: weights, optimizer moments, weight version, guard counters."""
         return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
-                "version": self.version, "guard": self.guard.state_dict()}
+                **self.counters()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
+        self.load_counters(state)
+
+    def counters(self) -> dict[str, Any]:
+        """The state besides weights and moments: what a sharded checkpoint keeps in its
+        JSON (the weights and moments go to each rank's shards, tether.trainer.spmd)."""
+        return {"version": self.version, "guard": self.guard.state_dict()}
+
+    def load_counters(self, state: dict[str, Any]) -> None:
         self.version = int(state["version"])
         self.guard.load_state_dict(state["guard"])
+
+    def score_now(self, batch: RolloutTensors) -> torch.Tensor:
+        """(B, T) no-grad log-probs of the batch's tokens at the current weights; sharded, a
+        forward on every rank together (rank 0 asks, tether.distributed)."""
+        if self.lockstep and self.collective.rank == 0:
+            return self.collective.call(score_now_on_rank, batch)
+        return self.score_old(batch, self.model)[0]
 
     def train_on(
         self,
@@ -137,9 +157,11 @@ class Trainer(TokenScorer):
                        "advantages": advantages[sl], "logp": logp, "topk_logp": topk_logp}
             if not reuse:  # reused, pi_old is logp itself
                 checked = {"logp_old": old, **checked}
-            bad = first_nonfinite(checked, micro.response_mask)
-            if bad is not None:
-                break
+            found = first_nonfinite(checked, micro.response_mask)
+            if found is not None:
+                bad = bad or found
+                if not self.lockstep:
+                    break
             out: LossOutput = self.estimator(
                 TokenBatch(
                     logp=logp,
@@ -157,9 +179,10 @@ class Trainer(TokenScorer):
             share = (micro.response_mask.sum() if token_mean else micro.input_ids.shape[0]) / total
             loss = out.metrics["loss/total"]  # out.loss as a float, read in to_floats' one sync
             if not math.isfinite(loss):
-                bad = "loss"
-                break
-            (out.loss * share).backward()
+                bad = bad or "loss"
+                if not self.lockstep:
+                    break
+            (out.loss * share).backward()  # lockstep and bad: its gradient is dropped below
             share_f = float(share)  # one sync each for the two shares
             loss_sum += loss * share_f
             # Token statistics fold by token share; the losses by the aggregation's share.
@@ -168,7 +191,8 @@ class Trainer(TokenScorer):
                 sums[k] = combine(k, sums.get(k), float(v),
                                   share_f if k.startswith("loss/") else tok_share)
         bad, loss_sum, sums = self._reduce(bad, loss_sum, sums, local, logp_parts)
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip)
+        grad_norm = full_value(torch.nn.utils.clip_grad_norm_(self.model.parameters(),
+                                                              self.cfg.grad_clip))
         if bad is None and not torch.isfinite(grad_norm):
             bad = "grad_norm"
         guard = self.guard.record(bad)  # guard/skipped, and guard/bad/<tensor> when skipped
@@ -192,7 +216,8 @@ class Trainer(TokenScorer):
         bad = next((v[0] for v in verdicts if v[0] is not None), None)
         if bad is not None:
             return bad, loss_sum, sums
-        shard.sum_grads([p for p in self.model.parameters() if p.requires_grad])
+        if not self.lockstep:  # sharded, FSDP summed them in each backward
+            shard.sum_grads([p for p in self.model.parameters() if p.requires_grad])
         logp_parts.append(shard.gather_rows(torch.cat(local)))
         merged: dict[str, float] = {}
         for _, _, rank_sums in verdicts:
@@ -200,6 +225,15 @@ class Trainer(TokenScorer):
                 merged[k] = max(merged[k], v) if k.endswith("/max") and k in merged else \
                     merged.get(k, 0.0) + v
         return None, sum(v[1] for v in verdicts), merged
+
+
+def score_now_on_rank(ctx: Any, batch: RolloutTensors) -> torch.Tensor:
+    """`Trainer.score_now` on one rank of a sharded trainer (`ctx`: its RankContext)."""
+    trainer = ctx.trainer
+    try:
+        return trainer.score_old(batch, trainer.model)[0]
+    finally:
+        resharded(trainer.model)
 
 
 def combine(key: str, acc: float | None, value: float, share: float) -> float:

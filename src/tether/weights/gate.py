@@ -29,9 +29,8 @@ class Scorer(Protocol):
     """The trainer, as the gate uses it: its weight version, and no-grad log-probs."""
 
     version: int
-    model: Any
 
-    def score_old(self, batch: Any, model: Any) -> tuple[torch.Tensor, torch.Tensor | None]: ...
+    def score_now(self, batch: Any) -> torch.Tensor: ...
 
 
 class StalenessGate:
@@ -90,4 +89,4 @@ class StalenessGate:
 
 def _score_now(trainer: Scorer, batch: Any) -> torch.Tensor:
     """(B, T) log-probs of the batch's tokens at the trainer's current weights."""
-    return trainer.score_old(batch, trainer.model)[0]
+    return trainer.score_now(batch)

@@ -33,7 +33,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 from transformers import PreTrainedModel
 
-from tether.scoring import autocast, decode
+from tether.scoring import RolloutTensors, autocast, decode
+from tether.scoring.versions import score_at_versions
 from tether.weights import delta
 from tether.weights.publisher import pack
 
@@ -96,6 +97,14 @@ class SnapshotStore:
             self._scratch.load_state_dict(self.state(version))  # upcasts what is kept rounded
             self._loaded = version
         return self._scratch
+
+    def pi_old(self, trainer: Any, batch: RolloutTensors,
+               ) -> tuple[torch.Tensor, torch.Tensor | None, RolloutTensors]:
+        """pi_old of `batch` at the versions that sampled each token (`score_at_versions`):
+        `trainer`'s own weights (the Trainer: `model`, `version`, `score`) for its current
+        version, else the kept ones."""
+        model_at = lambda v: trainer.model if v == trainer.version else self.model_at(v)
+        return score_at_versions(trainer, batch, model_at)
 
     def release(self, keep: set[int]) -> list[int]:
         """Free every version not in `keep`; return the freed versions."""
