@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from tether.config import ConfigError, load_config
-from tether.distributed import on_device, rank_device
+from tether.distributed import rank_device
 from tether.errors import InputError
 from tether.models import build_tiny_model
 from tether.models.routing import add_router_noise, pad_routes, route, routers
@@ -21,6 +21,7 @@ from tether.rollout.types import Rollout, SamplingParams
 from tether.scoring import collate, decode, process_logits, score_tokens
 from tether.setup import actor_config, configure_numerics, vllm_memory
 from tether.trainer import Trainer, group_advantages
+from tether.trainer.channel import on_device
 
 REPO = Path(__file__).resolve().parents[1]
 

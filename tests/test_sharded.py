@@ -4,23 +4,32 @@
   every token (scored at sharded kept versions, sync.lag) and the final weights bit for bit
   at the same thread count, dense fp32 and MoE bf16; one process on the whole batch agrees
   to float rounding.
+- Two "nodes" (two torchrun invocations on this machine, one rank each) train with async
+  rollouts from two workers, every prompt trained once, the replicated run bit for bit; a
+  node's rank SIGKILLed stops the run, which resumes on one rank.
 - A rank SIGKILLed mid-run stops it with its last checkpoint, which resumes at one rank and
   at four (torch.distributed.checkpoint reshards it) and finishes as the uninterrupted run.
 """
 
 from __future__ import annotations
 
+import re
 import shutil
+import socket
+import subprocess
+import sys
 from pathlib import Path
 
+import psutil
 import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.race_gates import kill_rank_1_before
+from tests.race_gates import kill_rank_1_before, wait_until
 from tether.checkpoint import list_checkpoints, resume_config
 from tether.config import ConfigError, load_config
 from tether.errors import RankFailed
+from tether.ledger import audit
 from tether.logger import read_jsonl
 from tether.loops import train
 
@@ -46,8 +55,8 @@ def _run(model_dir: Path, run_dir: Path, sharding: str, world_size: int, *extra:
     return run_dir
 
 
-def _rows(run_dir: Path) -> list[dict]:
-    return [{k: v for k, v in row.items() if not k.startswith(NOT_COMPARED)}
+def _rows(run_dir: Path, *ignored: str) -> list[dict]:
+    return [{k: v for k, v in row.items() if not k.startswith((*NOT_COMPARED, *ignored))}
             for row in read_jsonl(run_dir / "metrics.jsonl")]
 
 
@@ -104,6 +113,64 @@ def _close(run_dir: Path, reference: Path) -> None:
     assert max((w[k] - v[k]).abs().max().item() for k in w) < 1e-6
 
 
+def _nodes(run_dir: Path, model_dir: Path, *extra: str) -> list[subprocess.Popen]:
+    """Two torchrun invocations on this machine, node 1 then node 0, one rank each (node 0's
+    is rank 0, which runs the loop), meeting through torchrun's rendezvous."""
+    args = ["--config", "configs/countdown.yaml", f"model.path={model_dir}", f"run.dir={run_dir}",
+            "train.sharding=fsdp", "train.world_size=2", *SETTINGS, *extra]
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    return [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes=2",
+                              "--nproc-per-node=1", f"--node-rank={node}",
+                              "--master-addr=127.0.0.1", f"--master-port={port}",
+                              "-m", "tether.cli", "train", *args],
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+            for node in (1, 0)]
+
+
+def test_two_nodes_started_by_torchrun_train_the_replicated_async_run(warm_model_dir, tmp_path):
+    """Async rollouts, two workers taking turns with the trainer (loop.max_staleness=0: which
+    worker samples a batch is a race, what it samples is not; the workers score pi_old),
+    on two "nodes": every prompt trained once, and the run is the replicated one's on one
+    machine, bit for bit."""
+    run_dir, extra = tmp_path / "nodes", ["loop.mode=async", "loop.workers=2",
+                                          "loop.max_staleness=0", "loop.window_min=0",
+                                          "train.steps=4"]
+    for node in _nodes(run_dir, warm_model_dir, *extra):
+        out, _ = node.communicate(timeout=900)
+        assert node.returncode == 0, out[-3000:]
+    a = audit(run_dir / "ledger.jsonl")
+    assert a.ok and a.open == [] and a.trained == 4 * 4, a.problems
+    assert (run_dir / "checkpoints" / "step-00000004" / "shards").is_dir()
+    replicated = _run(warm_model_dir, tmp_path / "replicated", "none", 2, *extra)
+    assert _rows(run_dir, "async/", "worker/") == _rows(replicated, "async/", "worker/")
+    assert (run_dir / "logprobs.jsonl").read_text() == (replicated / "logprobs.jsonl").read_text()
+    w, v = _weights(run_dir), _weights(replicated)
+    assert all(torch.equal(w[k], v[k]) for k in w)
+
+
+def test_a_killed_node_stops_the_run_and_it_resumes_on_one_rank(warm_model_dir, tmp_path):
+    """Node 1's rank SIGKILLed once step 2's checkpoint exists: rank 0, on the other node,
+    fails its next collective at once (gloo sees the connection close) and stops naming the
+    last checkpoint; a plain `tether train --resume` then finishes the run on one rank."""
+    run_dir = tmp_path / "run"
+    node1, node0 = _nodes(run_dir, warm_model_dir, "run.checkpoint_every=1")
+    assert wait_until(lambda: (run_dir / "checkpoints" / "step-00000002").is_dir(),
+                      lambda: node0.poll() is None)
+    rank1, = (p for p in psutil.Process(node1.pid).children(recursive=True)
+              if "tether.cli" in " ".join(p.cmdline()))
+    rank1.kill()
+    out, _ = node0.communicate(timeout=900)
+    node1.communicate(timeout=900)
+    # torchrun exits 1, naming its child's status: 4, RankFailed's.
+    assert node0.returncode != 0 and re.search(r"exitcode\s*:\s*4", out), out[-3000:]
+    assert "a trainer collective failed" in out and "the last checkpoint is" in out, out[-3000:]
+    train(resume_config(run_dir, ["train.world_size=1"]), resume=True)
+    rows = read_jsonl(run_dir / "metrics.jsonl")
+    assert [r["step"] for r in rows] == list(range(STEPS + 1))
+
+
 @pytest.fixture(scope="module")
 def killed(warm_model_dir, tmp_path_factory, dense_fsdp) -> Path:
     """The dense run again, rank 1 SIGKILLed as step 4's training starts: it stops with the
@@ -131,6 +198,8 @@ def test_killed_run_resumes_at_another_world_size(world_size, killed, dense_fsdp
     _close(run_dir, dense_fsdp)
 
 
-def test_a_sharded_run_refuses_what_it_does_not_run_yet():
-    with pytest.raises(ConfigError, match="train.sharding=fsdp with loop.mode=async"):
-        load_config("configs/countdown.yaml", ["train.sharding=fsdp", "loop.mode=async"])
+def test_a_sharded_run_refuses_vllm_in_its_own_process():
+    with pytest.raises(ConfigError, match="train.sharding=fsdp with rollout.engine=vllm"):
+        load_config("configs/countdown.yaml", ["train.sharding=fsdp", "rollout.engine=vllm"])
+    load_config("configs/countdown.yaml", ["train.sharding=fsdp", "rollout.engine=vllm",
+                                           "loop.mode=async"])

@@ -5,6 +5,7 @@ and whole tensors gathered a bucket at a time are the model's."""
 from __future__ import annotations
 
 import os
+import socket
 
 import pytest
 import torch
@@ -21,7 +22,18 @@ def _batch() -> torch.Tensor:
     return torch.randint(2, 21, (4, 16), generator=g)
 
 
-def _rank(rank: int, port: int, moe: bool, out: dict) -> None:
+def _rank(rank: int, port: int, out: dict) -> None:
+    torch.set_num_threads(1)
+    os.environ |= {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+    dist.init_process_group("gloo", rank=rank, world_size=W)
+    for moe in (False, True):  # one pair of processes for both: their start is the cost
+        got = _check(build_tiny_model(21, moe=moe, seed=0).eval(), rank)
+        if rank == 0:
+            out[moe] = got
+    dist.destroy_process_group()
+
+
+def _check(model: torch.nn.Module, rank: int) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
 
     from tether.trainer.sharding import (
@@ -32,11 +44,7 @@ def _rank(rank: int, port: int, moe: bool, out: dict) -> None:
         shard_model,
     )
 
-    torch.set_num_threads(1)
-    os.environ |= {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
-    dist.init_process_group("gloo", rank=rank, world_size=W)
     ids = _batch()
-    model = build_tiny_model(21, moe=moe, seed=0).eval()
     v0 = {k: t.clone() for k, t in model.state_dict().items()}
     shard_model(model, init_device_mesh("cpu", (W,)))
     with torch.no_grad():
@@ -54,23 +62,24 @@ def _rank(rank: int, port: int, moe: bool, out: dict) -> None:
     whole = {}
     for bucket in gather_full(model, bucket_bytes=64 << 10, keep=rank == 0):
         whole |= bucket
-    if rank == 0:
-        out.update(at_v0=at_v0, moved=moved, swapped=swapped_logits, after=after, v0=v0,
-                   whole=whole, tied=model.lm_head.weight is model.model.embed_tokens.weight)
-    dist.destroy_process_group()
+    return {"at_v0": at_v0, "moved": moved, "swapped": swapped_logits, "after": after, "v0": v0,
+            "whole": whole, "tied": model.lm_head.weight is model.model.embed_tokens.weight}
 
 
-def _run(moe: bool) -> dict:
-    port = 29000 + os.getpid() % 1000
+@pytest.fixture(scope="module")
+def ranks_saw() -> dict:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
     with mp.Manager() as manager:
         out = manager.dict()
-        mp.start_processes(_rank, args=(port, moe, out), nprocs=W, start_method="spawn")
+        mp.start_processes(_rank, args=(port, out), nprocs=W, start_method="spawn")
         return dict(out)
 
 
 @pytest.mark.parametrize("moe", [False, True], ids=["dense", "moe"])
-def test_sharded_forward_kept_versions_and_gather_are_exact(moe):
-    got = _run(moe)
+def test_sharded_forward_kept_versions_and_gather_are_exact(moe, ranks_saw):
+    got = ranks_saw[moe]
     whole = build_tiny_model(21, moe=moe, seed=0).eval()
     with torch.no_grad():
         expected = whole(_batch()).logits

@@ -42,7 +42,8 @@ Sections: model (which model; default is tether's own tiny Qwen3), task (countdo
 numeric, or your own class as task.name=pkg.module:Class; docs/tasks.md), reward (your
 own reward function, optional), rollout (engine, generator precision, sampling), train
 (steps, optimizer, estimator; MoE routing replay train.routing_replay=none|r2|r3,
-docs/mismatch.md; data-parallel ranks train.world_size, docs/distributed.md; bf16 autocast
+docs/mismatch.md; data-parallel ranks train.world_size, sharded with train.sharding=fsdp,
+on several machines under torchrun, docs/distributed.md; bf16 autocast
 train.precision=bf16, docs/performance.md), sync (when the generator gets new weights),
 loop (loop.mode=async: rollout workers generate while the trainer trains, loop.workers,
 loop.max_staleness, loop.window=ess (the ESS governs the staleness window),
@@ -77,6 +78,7 @@ def _request_stop(signum: int, frame: object) -> None:
 
 def _cmd_train(args: argparse.Namespace) -> int:
     from tether.checkpoint import resume_config
+    from tether.distributed import follow, launched
     from tether.guards import STOP
     from tether.inspection import run_advice
     from tether.loops import train
@@ -87,6 +89,13 @@ def _cmd_train(args: argparse.Namespace) -> int:
         cfg = resume_config(args.resume, args.overrides)
     else:
         cfg = load_config(args.config, args.overrides)
+    if (where := launched()) is not None:  # torchrun started this process: one trainer rank
+        if where[1] != cfg.train.world_size:
+            raise ConfigError(f"train.world_size={cfg.train.world_size}, and torchrun started "
+                              f"{where[1]} processes (--nnodes x --nproc-per-node): make them equal")
+        if where[0] > 0:  # rank 0 runs the loop; the others serve it (docs/distributed.md)
+            follow(cfg)
+            return 0
     previous = {s: signal.signal(s, _request_stop) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
         result = train(cfg, resume=bool(args.resume))

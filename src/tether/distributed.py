@@ -29,7 +29,7 @@ stops with a checkpoint (replicated) or names the last one (sharded; docs/distri
 
 from __future__ import annotations
 
-import dataclasses
+import os
 import queue as queue_lib
 import signal
 import socket
@@ -50,12 +50,10 @@ from tether.models import quiet_transformers
 from tether.setup import build_task_and_reward, configure_numerics, load_policy, resolve_device
 from tether.tasks.base import Task
 from tether.trainer import Trainer
+from tether.trainer.channel import Channel, on_device
 from tether.trainer.spmd import RankContext, rank_context
 
 TIMEOUT = timedelta(minutes=5)  # a collective waiting this long for a rank fails
-# The work channel's: between steps the ranks wait as long as rank 0 generates, evaluates
-# or checkpoints. A rank 0 that exits closes its connections, which ends the wait at once.
-IDLE = timedelta(days=7)
 
 
 class RankView:
@@ -113,48 +111,6 @@ class RankView:
             offset += n
 
 
-class Channel:
-    """Rank 0's work for the other ranks over torch.distributed, so that a rank may be on
-    another machine: the work's structure (each tensor replaced by its shape and dtype) in
-    one broadcast of a pickled object, then each tensor in a broadcast of its own (a pickled
-    tensor costs 5-10x as much). A gloo group of its own: host tensors on every backend, and
-    the `IDLE` timeout between steps."""
-
-    def __init__(self) -> None:
-        self.group = dist.new_group(backend="gloo", timeout=IDLE)
-
-    def send(self, obj: Any) -> None:
-        tensors: list[torch.Tensor] = []
-
-        def slot(t: torch.Tensor) -> Any:
-            tensors.append(t.detach().to("cpu").contiguous())
-            return _Slot(len(tensors) - 1, tuple(t.shape), t.dtype)
-
-        skeleton = _map_tensors(obj, slot)
-        dist.broadcast_object_list([skeleton], src=0, group=self.group)
-        for t in tensors:
-            dist.broadcast(t, src=0, group=self.group)
-
-    def recv(self) -> Any:
-        box: list[Any] = [None]
-        dist.broadcast_object_list(box, src=0, group=self.group)
-        slots: list[_Slot] = []
-        _map_slots(box[0], slots.append)
-        tensors = [torch.empty(s.shape, dtype=s.dtype) for s in sorted(slots, key=lambda s: s.index)]
-        for t in tensors:
-            dist.broadcast(t, src=0, group=self.group)
-        return _map_slots(box[0], lambda s: tensors[s.index])
-
-
-@dataclasses.dataclass(frozen=True)
-class _Slot:
-    """Where a tensor was in the work `Channel.send` broadcast: its place and layout."""
-
-    index: int
-    shape: tuple[int, ...]
-    dtype: torch.dtype
-
-
 def resolve_backend(requested: str, params_on_gpu: bool) -> str:
     """`train.dist_backend`: auto -> nccl when the trainer's weights are on a GPU, else gloo."""
     if requested == "auto":
@@ -175,23 +131,26 @@ class TrainerRanks(RankView):
         W = cfg.train.world_size
         super().__init__(0, W)
         backend = resolve_backend(cfg.train.dist_backend, device.type == "cuda")
-        init = f"tcp://127.0.0.1:{_free_port()}"
-        ctx = torch.multiprocessing.get_context("spawn")
-        self.placed = ctx.Queue()  # (rank, device) from each rank once its model is placed
-        joining = ctx.Queue()  # each rank's number, just before it joins the process group
-        self.procs = [ctx.Process(target=_rank_main, daemon=True, name=f"tether-rank-{r}",
-                                  args=(r, W, backend, init, cfg, str(model_path),
-                                        self.placed, joining))
-                      for r in range(1, W)]
-        for p in self.procs:
-            p.start()
+        self.procs: list[Any] = []
         self.closed = False
-        self._await_joining(joining, cfg.run.start_timeout)
+        if launched() is not None:  # torchrun started every rank, on any machine: its env joins them
+            init = "env://"
+        else:  # ranks 1..N-1: processes of this one
+            init = f"tcp://127.0.0.1:{_free_port()}"
+            ctx = torch.multiprocessing.get_context("spawn")
+            joining = ctx.Queue()  # each rank's number, just before it joins the process group
+            self.procs = [ctx.Process(target=_rank_main, daemon=True, name=f"tether-rank-{r}",
+                                      args=(r, W, backend, init, cfg, joining))
+                          for r in range(1, W)]
+            for p in self.procs:
+                p.start()
+            self._await_joining(joining, cfg.run.start_timeout)
         if device.type == "cuda":
             torch.cuda.set_device(device)  # nccl's collectives (all_gather_object) use it
         dist.init_process_group(backend, init_method=init, rank=0, world_size=W, timeout=TIMEOUT)
         self.channel = Channel()
-        self.device, self._devices = str(device), None
+        self.channel.send(str(model_path))  # every rank loads the model rank 0 resolved
+        self.device = str(device)
         self.ctx: RankContext | None = None
 
     def call(self, fn: Callable[..., Any], *args: Any) -> Any:
@@ -199,8 +158,8 @@ class TrainerRanks(RankView):
         A collective in it that fails raises `RankFailed` (the weights intact: no call but
         the training step's changes them)."""
         self.check(intact=True)
-        self.channel.send((fn, args))
         try:
+            self.channel.send((fn, args))
             return fn(self.ctx, *args)
         except RuntimeError as e:  # a collective failed: a rank is likely gone
             self.failed(e, intact=True)
@@ -237,17 +196,17 @@ class TrainerRanks(RankView):
 
     @property
     def devices(self) -> list[str]:
-        """Where each rank placed its model, in rank order (waits for ranks still loading;
-        asked for, not awaited at start-up, so rank 0 goes on while they load)."""
-        if self._devices is None:
-            got = dict(self.placed.get(timeout=TIMEOUT.total_seconds()) for _ in self.procs)
-            self._devices = [self.device, *(got[r] for r in range(1, self.world_size))]
-        return self._devices
+        """Where each rank placed its model, in rank order (asked of every rank: waits for
+        ranks still loading)."""
+        return self.call(placement)
 
     def begin(self, *work: Any) -> None:
         """Hand the other ranks this step's (batch, advantages, logp_old, topk_logp_old)."""
         self.check(intact=True)
-        self.channel.send((train, work))
+        try:
+            self.channel.send((train, work))
+        except RuntimeError as e:  # a rank on another machine is gone (none of ours died)
+            self.failed(e, intact=True)
 
     def failed(self, cause: Exception, intact: bool) -> None:
         self.check(intact, cause)
@@ -305,26 +264,51 @@ def start_ranks(trainer: Trainer, cfg: Config, model_path: str | Path) -> Traine
         return OneRank()
     ranks = TrainerRanks(cfg, model_path, next(trainer.model.parameters()).device)
     ranks.channel.send(trainer.state_dict())  # every rank starts from rank 0's weights and moments
+    ranks.ctx = RankContext(cfg, trainer, None, trainer.sampling)
     trainer.attach(ranks)
     return ranks
 
 
 def start_sharded(cfg: Config, model_path: str | Path, model: PreTrainedModel,
                   tokenizer: PreTrainedTokenizerBase, task: Task, reward_fn: Any,
-                  ) -> TrainerRanks:
+                  device: torch.device) -> TrainerRanks:
     """`train.sharding=fsdp`: the other ranks started (each loads the model from `model_path`
-    as rank 0 did), then `model` sharded over all of them and rank 0's trainer built on it:
-    `ranks.ctx.trainer`."""
-    ranks = TrainerRanks(cfg, model_path, next(model.parameters()).device)
-    ranks.ctx = rank_context(cfg, model, tokenizer, ranks, task, reward_fn)
+    as rank 0 did), then `model` (in host memory) sharded over all of them onto `device`,
+    and rank 0's trainer built on it: `ranks.ctx.trainer`."""
+    ranks = TrainerRanks(cfg, model_path, device)
+    ranks.ctx = rank_context(cfg, model, tokenizer, ranks, task, reward_fn, device)
     return ranks
 
 
+def launched() -> tuple[int, int, int] | None:
+    """(rank, world size, local rank) of a process torchrun started (its environment holds
+    TORCHELASTIC_RUN_ID), else None."""
+    if "TORCHELASTIC_RUN_ID" not in os.environ:
+        return None
+    return int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ["LOCAL_RANK"])
+
+
+def follow(cfg: Config) -> None:
+    """A trainer rank > 0 that torchrun started (on any machine): join rank 0 through
+    torchrun's environment, then serve it until the run ends. A GPU is the local rank's."""
+    where = launched()
+    assert where is not None
+    rank, world_size, local_rank = where
+    quiet_transformers()
+    configure_numerics(cfg)
+    device = resolve_device(cfg.run.device)
+    if device.type == "cuda":
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)  # before the process group: nccl binds to it
+    backend = resolve_backend(cfg.train.dist_backend, device.type == "cuda")
+    dist.init_process_group(backend, init_method="env://", rank=rank, world_size=world_size,
+                            timeout=TIMEOUT)
+    _serve(cfg, RankView(rank, world_size), device)
+
+
 def _rank_main(rank: int, world_size: int, backend: str, init: str, cfg: Config,
-               model_path: str, placed: Any, joining: Any) -> None:
-    """A trainer rank > 0: the model on `run.device` and the optimizer (replicated: rank 0's
-    state, sent; sharded: its shards of the model it loaded), then whatever rank 0 sends:
-    a training step's batch, or a call (tether.trainer.spmd), until it sends None."""
+               joining: Any) -> None:
+    """A trainer rank > 0 that rank 0 spawned on its machine: join, then serve it."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C: rank 0 finishes the step, then stops us
     quiet_transformers()
     configure_numerics(cfg)
@@ -334,19 +318,35 @@ def _rank_main(rank: int, world_size: int, backend: str, init: str, cfg: Config,
     joining.put(rank)
     dist.init_process_group(backend, init_method=init, rank=rank, world_size=world_size,
                             timeout=TIMEOUT)
+    _serve(cfg, RankView(rank, world_size), device)
+
+
+def _serve(cfg: Config, view: RankView, device: torch.device) -> None:
+    """A rank > 0 in the process group: the model rank 0 names, on `device` (replicated:
+    rank 0's state, sent; sharded: its shards of the model it loaded), then whatever rank 0
+    sends, a training step's batch or a call (tether.trainer.spmd), until it sends None."""
     channel = Channel()  # each rank makes its groups in rank 0's order
-    _, model, tokenizer = load_policy(cfg, model_path, device)
-    placed.put((rank, str(device)))  # TrainerRanks.devices
-    print(f"tether: trainer rank {rank} ready on {device}", file=sys.stderr, flush=True)
+    model_path = channel.recv()
     sharded = cfg.train.sharding == "fsdp"
+    # Sharded, the whole model is loaded in host memory and only this rank's shards reach
+    # the device.
+    _, model, tokenizer = load_policy(cfg, model_path, torch.device("cpu") if sharded else device)
+    print(f"tether: trainer rank {view.rank} ready on {device}", file=sys.stderr, flush=True)
     task, reward_fn = build_task_and_reward(cfg) if sharded else (None, None)
-    ctx = rank_context(cfg, model, tokenizer, RankView(rank, world_size), task, reward_fn)
+    ctx = rank_context(cfg, model, tokenizer, view, task, reward_fn, device)
     if not sharded:
         ctx.trainer.load_state_dict(on_device(channel.recv(), device))
     while (item := channel.recv()) is not None:
         fn, args = item
         fn(ctx, *on_device(args, device))
     dist.destroy_process_group()
+
+
+def placement(ctx: RankContext) -> list[str]:
+    """Every rank's device, in rank order (`TrainerRanks.devices`)."""
+    out: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(out, str(next(ctx.trainer.model.parameters()).device))
+    return out
 
 
 def train(ctx: RankContext, *work: Any) -> None:
@@ -367,35 +367,6 @@ def rank_device(device: torch.device, rank: int, gpus: int) -> torch.device:
             f"from run.device={device}), and torch sees {gpus} GPU(s); lower train.world_size "
             "or start from a lower run.device")
     return torch.device("cuda", index)
-
-
-def on_device(obj: Any, device: torch.device | str) -> Any:
-    """`obj` with every tensor in it on `device` (tensors already there are kept, not copied)."""
-    return _map_tensors(obj, lambda t: t.to(device))
-
-
-def _map_tensors(obj: Any, fn: Callable[[torch.Tensor], Any]) -> Any:
-    """`obj` (tensors in dicts, lists, tuples, dataclasses) with `fn` applied to each tensor."""
-    return _map_leaves(obj, torch.Tensor, fn)
-
-
-def _map_slots(obj: Any, fn: Callable[[_Slot], Any]) -> Any:
-    return _map_leaves(obj, _Slot, fn)
-
-
-def _map_leaves(obj: Any, kind: type, fn: Callable[[Any], Any]) -> Any:
-    """`obj` with `fn` applied to each value of type `kind` in its dicts, lists, tuples and
-    dataclasses."""
-    if isinstance(obj, kind):
-        return fn(obj)
-    if isinstance(obj, dict):
-        return {k: _map_leaves(v, kind, fn) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(_map_leaves(v, kind, fn) for v in obj)
-    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        return dataclasses.replace(obj, **{f.name: _map_leaves(getattr(obj, f.name), kind, fn)
-                                           for f in dataclasses.fields(obj) if f.init})
-    return obj
 
 
 def _free_port() -> int:

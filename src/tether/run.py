@@ -8,7 +8,6 @@ asynchronous one (engines in worker processes), so each loop builds its own (tet
 
 from __future__ import annotations
 
-import copy
 import os
 import shutil
 import time
@@ -32,6 +31,7 @@ from tether.setup import (
     build_task_and_reward,
     check_routing_replay,
     load_policy,
+    resolve_device,
     sampling_params,
     sampling_seed,
     seed_process,
@@ -76,7 +76,6 @@ class Run:
     probe: list[list[int]]  # the current-model monitor's prompts (held-out)
     ctx: RankContext  # rank 0's parts (the trainer's)
     ranks: TrainerRanks | None  # train.sharding=fsdp: every trainer rank, started with the run
-    whole: PreTrainedModel  # for an in-process generator: `model`, or under fsdp its own copy
 
     def call(self, fn: Callable[..., Any], *args: Any) -> Any:
         """`fn(ctx, *args)` with the trainer's weights (tether.trainer.spmd): here, or sharded
@@ -94,6 +93,12 @@ class Run:
         log = open_logger(self.run_dir, cfg.log.tensorboard, cfg.log.wandb, cfg.log.wandb_project,
                           cfg.log.wandb_mode, cfg.model_dump(mode="json"))
         return start, log
+
+    def generator_model(self) -> PreTrainedModel:
+        """The whole model an in-process generator copies: the trainer's module, or, sharded
+        (no rank holds it whole), one loaded from the model directory (the weights a run
+        starts from; a publish brings the generator to any other version)."""
+        return self.model if self.ranks is None else load_policy(self.cfg, self.model_path)[1]
 
     def weights(self) -> Mapping[str, torch.Tensor]:
         """The trainer's current weights as a state dict (sharded: gathered when first read)."""
@@ -143,22 +148,24 @@ def build_run(cfg: Config, resume: bool = False) -> Run:
     seed_process(cfg)
     task, reward_fn = build_task_and_reward(cfg)
     run_dir = make_run_dir(cfg, resume)
-    model_path, model, tokenizer = load_policy(cfg)
+    device = resolve_device(cfg.run.device)
+    sharded = cfg.train.sharding == "fsdp"
+    # Sharded, the whole model is loaded in host memory and only shards reach the device.
+    model_path, model, tokenizer = load_policy(cfg, device=torch.device("cpu") if sharded else device)
     sampling = sampling_params(cfg, model.config.vocab_size)
     check_routing_replay(cfg.train.routing_replay, model)
     check_prompts(task, tokenizer, getattr(model.config, "max_position_embeddings", None),
                   r.max_new_tokens, cfg.train.steps * r.prompts_per_step)
-    ranks, whole = None, model
-    if cfg.train.sharding == "fsdp":
-        whole = copy.deepcopy(model)  # no trainer rank will hold the whole model
-        ranks = start_sharded(cfg, model_path, model, tokenizer, task, reward_fn)
+    ranks = None
+    if sharded:
+        ranks = start_sharded(cfg, model_path, model, tokenizer, task, reward_fn, device)
         ctx = ranks.ctx
     else:
         ctx = rank_context(cfg, model, tokenizer, task=task, reward_fn=reward_fn)
     probe = [encode_exact(tokenizer, p.prompt)
              for p in task.eval_problems()[:cfg.diagnostics.monitor_prompts]]
     return Run(cfg, run_dir, task, reward_fn, model_path, model, tokenizer, sampling,
-               ctx.trainer, probe, ctx, ranks, whole)
+               ctx.trainer, probe, ctx, ranks)
 
 
 def with_run_dir(cfg: Config) -> Config:

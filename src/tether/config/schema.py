@@ -94,14 +94,14 @@ class Config(Node):
                 "on close), so the trainer ranks cannot have it; use loop.mode=async (vLLM then "
                 "runs in rollout workers), or rollout.engine=hf"
             )
-        if self.train.sharding == "fsdp" and (self.loop.mode, self.rollout.engine) != ("sync", "hf"):
+        if self.train.sharding == "fsdp" and self.loop.mode == "sync" and self.rollout.engine == "vllm":
             raise CrossFieldError(
-                ["train.sharding", "loop.mode", "rollout.engine"],
-                f"train.sharding=fsdp with loop.mode={self.loop.mode} and rollout.engine="
-                f"{self.rollout.engine}: the sharded trainer runs the synchronous loop with the hf "
-                "engine so far (the asynchronous loop's workers and vLLM come next, "
-                "docs/distributed.md); set loop.mode=sync and rollout.engine=hf, or "
-                "train.sharding=none"
+                ["train.sharding", "rollout.engine", "loop.mode"],
+                "train.sharding=fsdp with rollout.engine=vllm and loop.mode=sync: the "
+                "synchronous loop runs vLLM in the trainer's process, where vLLM sets up "
+                "torch.distributed's default process group for itself, which the sharded "
+                "trainer needs; use loop.mode=async (vLLM then runs in rollout workers), or "
+                "rollout.engine=hf"
             )
         if self.loop.score_old == "worker" and self.train.routing_replay == "r2":
             raise CrossFieldError(

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import torch
 
-from tether.checkpoint import RunState
 from tether.config import Config
 from tether.ledger import Ledger
 from tether.loops.scheduler import Scheduler
@@ -26,6 +25,7 @@ from tether.rollout.worker import BatchResult
 from tether.run import Run, RunResult, build_run
 from tether.scoring import RolloutTensors, collate
 from tether.step import old_logprobs, train_step
+from tether.trainer.spmd import ShardedSnapshots
 from tether.weights.gate import StalenessGate
 from tether.weights.snapshots import SnapshotStore
 
@@ -34,7 +34,7 @@ def train_async(cfg: Config, resume: bool = False) -> RunResult:
     run = build_run(cfg, resume)
     model, trainer, tokenizer = run.model, run.trainer, run.tokenizer
     gate = StalenessGate.of(cfg)  # the sync policy, and what it does to a stale batch
-    snapshots, ledger = SnapshotStore.of(cfg, model), Ledger(run.run_dir / "ledger.jsonl")
+    snapshots, ledger = run.snapshots(), Ledger(run.run_dir / "ledger.jsonl")
     # The workers start building their engines now, in parallel with the evaluation at step 0.
     backend = build_backend(cfg, str(run.model_path), run.run_dir.name)
     sched = Scheduler(cfg, gate.policy, backend, snapshots, ledger, run.sampling_seed)
@@ -42,9 +42,9 @@ def train_async(cfg: Config, resume: bool = False) -> RunResult:
     rate = _Throughput()
 
     # On a stop, what is in flight is dropped (sched.stop), to be issued again on resume.
-    with Session(run, RunState(trainer, sched), resume, close=[backend.stop, ledger.close],
+    with Session(run, run.state(sched), resume, close=[backend.stop, ledger.close],
                  on_stop=sched.stop) as s:
-        sched.publish(trainer.version, model.state_dict())
+        sched.publish(trainer.version, run.weights())
         for step in s.steps():
             # 1. Admit: issue every rollout batch the staleness bound allows.
             sched.admit(trainer.version)
@@ -70,7 +70,7 @@ def train_async(cfg: Config, resume: bool = False) -> RunResult:
             #    from is dropped and its prompts issued again with the current weights.
             if gate.before(batch, old.logp, trainer):
                 sched.drop(result.item, "ess_trip_regenerated")
-                sched.resync(V, model.state_dict(), stale)
+                sched.resync(V, run.weights(), stale)
                 continue
             # 5. Loss and optimizer step(s) at the current weights (data-parallel: on every rank).
             out = train_step(trainer, batch, result.rollouts, old, cfg.train.adv_std_norm,
@@ -84,7 +84,7 @@ def train_async(cfg: Config, resume: bool = False) -> RunResult:
             # 7. Ledger; the window (ESS-governed: shrinks on a trip, widens without);
             #    publish per policy; free snapshots nothing queued needs.
             sched.done(result.item, V, _per_prompt(behind, batch))
-            sync_metrics = sched.after_step(trainer.version, model.state_dict(), tripped, stale)
+            sync_metrics = sched.after_step(trainer.version, run.weights(), tripped, stale)
             clock.lap("sync")
             # 8. Log, evaluate every E steps; checkpoint; on repeated bad steps or a signal, stop.
             s.end_step({"version": trainer.version, **out.metrics, **diag, **gate.metrics(),
@@ -162,7 +162,7 @@ class _Mirror:
     generator's model, which lives in the workers. None for vLLM (its weights live in its
     engine)."""
 
-    def __init__(self, run: Run, snapshots: SnapshotStore):
+    def __init__(self, run: Run, snapshots: SnapshotStore | ShardedSnapshots):
         self.run, self.snapshots = run, snapshots
         self.generator: HFGenerator | None = None  # built on first use: a second copy of the model
 
@@ -171,8 +171,8 @@ class _Mirror:
         if r.engine != "hf":
             return None
         if self.generator is None:
-            self.generator = HFGenerator(self.run.model, tok.eos_token_id, tok.pad_token_id,
-                                         r.precision, r.router_noise)
+            self.generator = HFGenerator(self.run.generator_model(), tok.eos_token_id,
+                                         tok.pad_token_id, r.precision, r.router_noise)
         if self.generator.version != version:
             self.generator.load_weights(self.snapshots.state(version), version)
         return self.generator.model

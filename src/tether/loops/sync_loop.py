@@ -25,7 +25,7 @@ from tether.weights.synchronizer import Synchronizer
 def train_sync(cfg: Config, resume: bool = False) -> RunResult:
     run = build_run(cfg, resume)
     model, trainer, tokenizer, r = run.model, run.trainer, run.tokenizer, cfg.rollout
-    generator = build_generator(cfg, run.whole, run.model_path, tokenizer)  # one, in this process
+    generator = build_generator(cfg, run.generator_model(), run.model_path, tokenizer)  # one, in this process
     gate, snapshots = StalenessGate.of(cfg), run.snapshots()  # the policy; kept versions
     sync = Synchronizer(gate.policy, InProcessPublisher(generator), snapshots, run.weights(),
                         cfg.sync.lag)

@@ -70,13 +70,15 @@ class RankContext:
 
 def rank_context(cfg: Config, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase,
                  collective: Collective | None = None, task: Task | None = None,
-                 reward_fn: Any = None) -> RankContext:
+                 reward_fn: Any = None, device: torch.device | None = None) -> RankContext:
     """A rank's trainer on `model`. `train.sharding=fsdp`: `model` sharded over the process
-    group first (every rank at once), with a store for this rank's shards of kept versions."""
+    group first (every rank at once), its shards moved to `device` (default: where `model`
+    is; FSDP2 moves one unit at a time, so the device never holds the whole model), with a
+    store for this rank's shards of kept versions."""
     kept = None
     if cfg.train.sharding == "fsdp":
+        device = device or next(model.parameters()).device
         kept = SnapshotStore.of(cfg, model)  # before sharding: finding its bf16 names runs a forward
-        device = next(model.parameters()).device
         shard_model(model, init_device_mesh(device.type, (dist.get_world_size(),)))
     trainer = Trainer(model, cfg.train, sampling_params(cfg, model.config.vocab_size))
     if collective is not None:
