@@ -1,6 +1,6 @@
 """FSDP2 primitives on two gloo ranks (tether.trainer.sharding): a sharded forward equals the
 whole model's bit for bit, a kept version swapped in scores as that version's whole model,
-and whole tensors gathered a bucket at a time are the model's."""
+and the whole tensors gathered onto one rank are the model's."""
 
 from __future__ import annotations
 
@@ -59,9 +59,7 @@ def _check(model: torch.nn.Module, rank: int) -> dict:
         swapped_logits = swap.load(kept)(ids).logits
         swap.restore()
         after = model(ids).logits
-    whole = {}
-    for bucket in gather_full(model, bucket_bytes=64 << 10, keep=rank == 0):
-        whole |= bucket
+    whole = gather_full(model, keep=rank == 0)
     return {"at_v0": at_v0, "moved": moved, "swapped": swapped_logits, "after": after, "v0": v0,
             "whole": whole, "tied": model.lm_head.weight is model.model.embed_tokens.weight}
 

@@ -15,7 +15,7 @@ What tether needs from a sharded model, and nothing else:
   scoring at a kept version equals the replicated trainer's scoring bit for bit.
   Assigning `p.data` is silently ignored by FSDP2 (it gathers from its own storage), hence
   the copies into `to_local()`.
-- `gather_full`: whole tensors, a bucket at a time, for publishing and export; a
+- `gather_full`: whole tensors, parameter by parameter, for publishing and export; a
   collective that every rank calls in the same order, only the receiving rank keeping
   what it gathers.
 
@@ -25,7 +25,7 @@ not reshard after forward): `resharded` puts them back before a shard is read or
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from types import MethodType
 from typing import Any
 
@@ -123,26 +123,19 @@ class VersionSwap:
         self.current = None
 
 
-def gather_full(model: nn.Module, bucket_bytes: int, keep: bool,
-                ) -> Iterator[dict[str, torch.Tensor]]:
-    """The model's whole parameters, `bucket_bytes` at a time, in `named_parameters` order
-    (a tied weight once). Every rank iterates it in step (each `full_tensor` is an
-    all-gather); with `keep` False a rank joins the gathers and drops what it gathered,
-    so only the receiving rank holds a bucket."""
+def gather_full(model: nn.Module, keep: bool) -> dict[str, torch.Tensor]:
+    """The model's whole parameters by name, in `named_parameters` order (a tied weight
+    once). Every rank calls it together (each `full_tensor` is an all-gather); with `keep`
+    False a rank joins the gathers and drops what it gathered, so only the receiving rank
+    holds the whole weights."""
     resharded(model)
-    bucket: dict[str, torch.Tensor] = {}
-    size = 0
+    whole: dict[str, torch.Tensor] = {}
     for name, p in model.named_parameters():
-        whole = p.full_tensor() if isinstance(p, DTensor) else p.detach()
+        t = p.full_tensor() if isinstance(p, DTensor) else p.detach()
         if not keep:
             continue
         local = p.to_local() if isinstance(p, DTensor) else p
-        if whole.untyped_storage().data_ptr() == local.untyped_storage().data_ptr():
-            whole = whole.clone()  # one rank: full_tensor is the shard itself, which a swap reuses
-        bucket[name] = whole.detach()
-        size += whole.numel() * whole.element_size()
-        if size >= bucket_bytes:
-            yield bucket
-            bucket, size = {}, 0
-    if bucket:
-        yield bucket
+        if t.untyped_storage().data_ptr() == local.untyped_storage().data_ptr():
+            t = t.clone()  # one rank: full_tensor is the shard itself, which a swap reuses
+        whole[name] = t.detach()
+    return whole

@@ -11,8 +11,8 @@ functions here are those `fn`s, module-level so that a name crosses the wire, no
     score_old        pi_old at the versions that sampled each token: the whole batch on every
                      rank, each kept version's shards put into the module for its forward
                      (`VersionSwap`); equal to the replicated trainer's pi_old bit for bit
-    gather           the whole weights of the current or a kept version on rank 0, bucket by
-                     bucket (publishing, export)
+    gather           the whole weights of the current or a kept version on rank 0, parameter
+                     by parameter (publishing, export)
     evaluate         the held-out evaluation, every rank generating the same tokens
     save / load      the weights, moments and kept versions in torch.distributed.checkpoint
                      (DCP) form: each rank writes its shards, and a load at another world
@@ -124,10 +124,8 @@ def gather(ctx: RankContext, version: int | None = None) -> dict[str, torch.Tens
     swap = VersionSwap(trainer.model)
     if version is not None and version != trainer.version:
         swap.load(kept.state(version))
-    whole: dict[str, torch.Tensor] = {}
     try:
-        for bucket in gather_full(trainer.model, kept.bucket_bytes, keep=ctx.rank == 0):
-            whole |= bucket
+        whole = gather_full(trainer.model, keep=ctx.rank == 0)
     finally:
         swap.restore()
     if ctx.rank != 0:
