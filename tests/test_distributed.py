@@ -22,8 +22,8 @@ from tether.loops import train
 from tether.models import load_model
 from tether.models.tokenizer import encode_exact
 from tether.rollout.hf import HFGenerator
-from tether.run import sampling_params
 from tether.scoring import collate, token_logprobs
+from tether.setup import sampling_params
 from tether.tasks import build_task
 from tether.trainer import Trainer, group_advantages
 

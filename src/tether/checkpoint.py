@@ -240,12 +240,12 @@ _TRAINER_WEIGHTS = "$trainer_weights"  # a snapshot equal to the trainer's weigh
 
 
 def _capture(step: int, state: RunState) -> dict[str, Any]:
-    store, current = state.sync.snapshots, state.trainer.version
     snapshots = {}
     if state.shards is not None:  # weights, moments and kept versions are in the shards
         trainer = state.trainer.counters()
     else:
         trainer = state.trainer.state_dict()
+        store, current = state.sync.snapshots, state.trainer.version
         for v in store.versions:
             weights = store.state(v)
             same = v == current and _equal(weights, trainer["model"])

@@ -32,7 +32,6 @@ from tether.setup import (
     check_routing_replay,
     load_policy,
     resolve_device,
-    sampling_params,
     sampling_seed,
     seed_process,
 )
@@ -152,7 +151,6 @@ def build_run(cfg: Config, resume: bool = False) -> Run:
     sharded = cfg.train.sharding == "fsdp"
     # Sharded, the whole model is loaded in host memory and only shards reach the device.
     model_path, model, tokenizer = load_policy(cfg, device=torch.device("cpu") if sharded else device)
-    sampling = sampling_params(cfg, model.config.vocab_size)
     check_routing_replay(cfg.train.routing_replay, model)
     check_prompts(task, tokenizer, getattr(model.config, "max_position_embeddings", None),
                   r.max_new_tokens, cfg.train.steps * r.prompts_per_step)
@@ -164,7 +162,7 @@ def build_run(cfg: Config, resume: bool = False) -> Run:
         ctx = rank_context(cfg, model, tokenizer, task=task, reward_fn=reward_fn)
     probe = [encode_exact(tokenizer, p.prompt)
              for p in task.eval_problems()[:cfg.diagnostics.monitor_prompts]]
-    return Run(cfg, run_dir, task, reward_fn, model_path, model, tokenizer, sampling,
+    return Run(cfg, run_dir, task, reward_fn, model_path, model, tokenizer, ctx.sampling,
                ctx.trainer, probe, ctx, ranks)
 
 
