@@ -2,6 +2,7 @@
 
     .venv/bin/python examples/trl_grpo_with_tether.py [--model PATH] [--estimator tis]
         [--generator bf16] [--steps 20] [--steps-per-generation 2]     (about 40 s on a CPU)
+    .venv/bin/python examples/trl_grpo_with_tether.py --correction auto --estimator grpo
 
 A plain TRL GRPO script on Countdown with tether's tiny model (the demo's, built and cached
 on first use); the tether lines are the import, the class name and its four arguments.
@@ -37,6 +38,9 @@ def main() -> None:
                    "'none': TRL's own loss, the split is still logged)")
     p.add_argument("--generator", default="bf16",
                    help="the precision tether's engine samples at (fp32, bf16, fp16, fp8)")
+    p.add_argument("--correction", default="fixed", choices=["fixed", "auto"],
+                   help="auto: tether chooses the correction per step from the split "
+                   "(--estimator then names the objective, e.g. grpo)")
     p.add_argument("--steps", type=int, default=20, help="optimizer steps")
     p.add_argument("--steps-per-generation", type=int, default=2,
                    help="TRL's steps_per_generation: >1 trains on stale batches")
@@ -68,6 +72,7 @@ def main() -> None:
         estimator=None if a.estimator == "none" else a.estimator,  # tether's loss
         generator=a.generator,  # tether's engine samples: TRL gets mu
         resync_tau=None,  # or DLC's ESS re-sync, e.g. 0.5
+        correction=a.correction,  # "auto": the correction chosen per step, per cause
         dump=dump)  # every trained token's mu, pi_old, pi_theta, for `tether inspect`
     trainer.train()
 

@@ -28,7 +28,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     # tasks and rewards, the rollout data contract, sync policies, the advice rules.
     ("primitives", ("estimators", "models", "tasks", "rewards", "=rollout", "rollout.types",
                     "rollout.numerics", "=weights", "weights.policy", "weights.gate",
-                    "weights.window", "weights.delta", "advice", "guards")),
+                    "weights.window", "weights.delta", "advice", "auto", "guards")),
     # Validates names against the estimator, task and sync-policy registries below it.
     ("config", ("config",)),
     # (weights, tokens) -> processed token log-probs: the forward everything above shares.

@@ -23,7 +23,8 @@ TEST_WARMSTART_STEPS = 120
 # them out (-m "not slow") to stay within its 8 minutes; `make test-slow` runs them, and
 # `.ci/run` runs both tiers in full. docs/testing.md lists each tier's cost.
 SLOW = {
-    "test_experiments.py": "quick experiment matrices (dlc, cis, vespo), resumed and reported",
+    "test_experiments.py": "quick experiment matrices (dlc, cis, vespo, auto), resumed and reported",
+    "test_auto_run.py": "train.correction=auto runs in subprocesses: switches, SIGTERM, resume",
     "test_faults.py": "killed experiments, full disks, concurrent model builds",
     "test_ray.py": "a real local Ray: actors placed, killed, replaced",
     "test_ray_nodes.py": "a real two-node Ray cluster: a node and a driver killed",

@@ -64,8 +64,8 @@ def test_moderate_causes():
     # Staleness between tau and tau + margin: the re-sync is advised before the drift.
     rec = recommend(ev(2e-5, 2e-4, staleness_k3=0.15, ess=0.62))
     assert (rec.cause, rec.estimator, rec.sync_policy, rec.change) == (
-        "staleness", "stale_is+none", "ess:0.5", True)
-    assert rec.headline == "correct staleness: change to train.estimator=stale_is+none sync.policy=ess:0.5"
+        "staleness", "dlc", "ess:0.5", True)
+    assert rec.headline == "correct staleness: change to train.estimator=dlc sync.policy=ess:0.5"
     # Numerical just over 1/N, light tail, no routing: calibrated IS.
     rec = recommend(ev(3e-4, 5e-3, tail_share=0.0))
     assert (rec.cause, rec.estimator, rec.sync_policy) == ("numerical", "cis", "every:1")

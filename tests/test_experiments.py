@@ -35,7 +35,7 @@ def moe_model_dir():
                                 task_kwargs={"use_all": True}, verbose=False)
 
 
-@pytest.mark.parametrize("name", ["dlc", "cis", "vespo"])
+@pytest.mark.parametrize("name", ["dlc", "cis", "vespo", "auto"])
 def test_quick_experiment_tables_resume_and_report(name, tmp_path, warm_model_dir, moe_model_dir):
     out = tmp_path / name
     model = moe_model_dir if name == "cis" else warm_model_dir
@@ -311,6 +311,41 @@ def test_only_rejects_unknown_groups(tmp_path, capsys):
     assert "unknown group" in err and "exact:naive" in err
 
 
+def test_auto_verdicts_from_their_bars():
+    ref = [0.20, 0.21, 0.19, 0.20, 0.20]
+    groups = {("exact", "naive"): ref, ("exact", "dlc"): [0.19, 0.20, 0.18],
+              ("exact", "auto"): [0.20, 0.21, 0.19],
+              ("lag", "naive"): [0.10, 0.11, 0.09], ("lag", "tis"): [0.14, 0.15, 0.13],
+              ("lag", "cis"): [0.14, 0.15, 0.16], ("lag", "dlc"): [0.18, 0.19, 0.17],
+              ("lag", "auto"): [0.17, 0.18, 0.19],
+              ("lag_from30", "naive"): [0.12, 0.13, 0.11], ("lag_from30", "tis"): [0.15, 0.16, 0.14],
+              ("lag_from30", "cis"): [0.17, 0.18, 0.19], ("lag_from30", "dlc"): [0.18, 0.19, 0.18],
+              ("lag_from30", "auto"): [0.17, 0.19, 0.18]}
+    s = _summary(groups)
+    s["reference_last3"] = float(np.mean(ref))
+    s["groups"] = [{"scenario": "exact", "method": "auto", "corrected_steps": 0.0,
+                    "resync_steps": 0.0, "topk_steps": 0.0, "resyncs": 0.0}]
+    got = {r["bar"]: r["verdict"] for r in get("auto").verdicts(s)}
+    # exact: tis and cis are naive's rows (ALIASES); auto level with the best.
+    assert got["exact: auto within the best preset's 95% interval"] == "met"
+    assert got["lag: auto within the best preset's 95% interval"] == "met"  # 0.18 in dlc's [0.17, 0.19]
+    # Worst case: naive 0.5x at lag; auto's lowest (0.9x at lag) is above every preset's.
+    assert got["worst case: auto's lowest ratio to the reference >= every preset's"] == "met"
+    assert got["lag_from30: auto above naive (cheap at its start)"].startswith("met (interval: met")
+    assert got["lag_from30: auto above cis (cheap at its start)"].startswith("not met")  # level
+    assert got["exact: auto applies no correction, no re-sync, no top-K"] == "met"
+    s["groups"][0]["resync_steps"] = 2.0
+    assert {r["bar"]: r["verdict"] for r in get("auto").verdicts(s)}[
+        "exact: auto applies no correction, no re-sync, no top-K"] == "not met"
+    # auto below the best preset's interval, and the lowest of all somewhere: both not met.
+    s = _summary({**groups, ("lag", "auto"): [0.08, 0.09, 0.07]})
+    s["reference_last3"], s["groups"] = float(np.mean(ref)), []
+    got = {r["bar"]: r["verdict"] for r in get("auto").verdicts(s)}
+    assert got["lag: auto within the best preset's 95% interval"] == "not met"
+    assert got["worst case: auto's lowest ratio to the reference >= every preset's"].startswith(
+        "not met (naive, tis, cis, dlc higher; auto's lowest is lag")
+
+
 def test_full_matrices_are_the_documented_ones():
     dlc = get("dlc").build()
     assert len(dlc.groups()) == 21 and len(dlc.cells) == 65  # duplicates skipped, 3 seeds (ref 5)
@@ -323,6 +358,15 @@ def test_full_matrices_are_the_documented_ones():
     controls = {m for s, m in dlc.groups() if s == "lag32"} - {m for s, m in dlc.groups() if s == "fp8_lag32"}
     assert {"reweight_cap5", "reweight_uncapped", "dlc_schedule", "stale_is_ess"} <= controls
     assert sum(c.scenario == "exact" and c.method == "naive" for c in dlc.cells) == 5
+    auto = get("auto").build()  # 5 scenarios x {naive, tis, cis, dlc, auto}, exact's tis/cis aliased
+    assert len(auto.groups()) == 5 * 5 - 2 and len(auto.cells) == 71
+    assert ("exact", "tis") not in auto.groups() and sum(c.method == "naive" and c.scenario == "exact"
+                                                         for c in auto.cells) == 5
+    switch = next(c for c in auto.cells if c.scenario == "fp8_lag32_from30" and c.method == "auto")
+    assert {"sync.lag=32", "sync.lag_from=30", "train.correction=auto", "train.estimator=naive",
+            "sync.policy=every:1"} <= set(switch.overrides)
+    race = next(c for c in auto.cells if c.scenario == "fp8_async32" and c.method == "dlc")
+    assert {"loop.window=ess", "loop.after_trip=regenerate", "sync.policy=ess:0.5"} <= set(race.overrides)
     vespo = get("vespo").build()
     # N = 1: grpo (the reference, 5 seeds) and sapo, the two distinct on-policy gradients;
     # N = 64: all six objectives, 3 seeds. Beside it: the (k, lambda) ablation and the race.

@@ -178,3 +178,21 @@ def test_inspect_on_the_plugins_dump_gives_the_in_run_figures(warm_model_dir, tm
     assert re.search(r"over the run: staleness dominates", text)
     assert re.search(r"\n  staleness  k3 .*: material\nadvice: correct staleness", text)
     assert "advice: correct staleness" in t.advice()
+
+
+def test_auto_chooses_the_correction_from_each_steps_split(warm_model_dir, tmp_path, capsys):
+    t = trainer(warm_model_dir, tmp_path, steps=3, generator="bf16", correction="auto")
+    # A bar every measured mismatch clears (N huge: 1/N ~ 0), switched after one step: the
+    # bf16 engine's split makes the numerical part material from the first step on.
+    t._auto.controller.batch, t._auto.controller.on_after = 10**9, 1
+    t.train()
+    assert logged(t, "auto/numerical") == [0.0, 1.0, 1.0]  # none, then cis from step 2
+    assert logged(t, "auto/staleness") == [0.0, 0.0, 0.0]  # one optimizer step a generation
+    assert "tether: auto: numerical none -> cis from step 2" in capsys.readouterr().err
+    assert t._auto.estimator().spec[:2] == ("ppo", "cis")  # grpo's objective, cis's weight
+    with pytest.raises(ValueError, match="chooses the ESS re-sync"):
+        trainer(warm_model_dir, tmp_path, correction="auto", resync_tau=0.5)
+    with pytest.raises(ValueError, match="correction='bogus'"):
+        trainer(warm_model_dir, tmp_path, correction="bogus")
+    with pytest.raises(ValueError, match="chooses the correction itself"):
+        trainer(warm_model_dir, tmp_path, correction="auto", estimator="tis", generator="fp32")

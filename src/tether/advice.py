@@ -17,8 +17,10 @@ material. docs/probe.md derives the thresholds; in short:
   preset applies to pi_theta/pi_old handle the lag.
 
 Then DLC's guidance (Li, Zhou, Lan; DESIGN.md): numerical only -> cis (icepop when rho's
-tail is heavy or MoE routing moves many tokens); staleness only -> capped staleness IS with
-the ESS re-sync; both -> dlc with the re-sync; neither -> keep the current estimator.
+tail is heavy or MoE routing moves many tokens); staleness, alone or with the numerical
+part -> dlc (capped staleness IS, centering, the ESS re-sync; for staleness alone E-DLC
+measured centering with the re-sync above the re-sync alone); neither -> keep the current
+estimator. train.correction=auto (tether.auto) applies the same rules step by step.
 """
 
 from __future__ import annotations
@@ -134,10 +136,14 @@ def recommend(e: Evidence, current_estimator: str = "grpo",
                    "the generator when the staleness ESS falls below 0.5, where DLC saw runs "
                    "start to drift.")
     if stale_m:
-        return rec("staleness", "stale_is+none", "ess:0.5",
+        return rec("staleness", "dlc", "ess:0.5",
                    f"Staleness is material (after {e.staleness_what}); the numerical part is not. "
                    "The generator's weights lag the trainer's: weight each token by the capped "
-                   "staleness ratio pi_theta/pi_old and re-sync when its ESS falls below 0.5.")
+                   "staleness ratio pi_theta/pi_old, center the score over the generator's "
+                   "top-K head and re-sync when the ESS falls below 0.5. In E-DLC (lag 32, "
+                   "fp32, RESULTS.md) centering with the re-sync scored above the re-sync "
+                   "alone (dlc - stale_is_ess +0.012 [-0.001, +0.024], not resolved at 3 "
+                   "seeds).")
     if numerical and e.routing_any is not None and e.routing_any > ROUTING_SHARE:
         return rec("numerical", "icepop", "every:1",
                    f"Numerical mismatch is material, most of it from MoE routing "

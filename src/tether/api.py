@@ -10,6 +10,11 @@ Shapes (B, T) for B responses of T tokens; mask 1 on the response tokens; no con
     ess, resync = api.resync(new, old, mask, tau=0.5)   # DLC's re-sync: ESS of pi_theta/pi_old
     print(api.advise(metrics, batch=B))                 # nothing to correct, or what to use
 
+    auto = api.Auto("grpo", batch=B)                    # train.correction=auto, for any loop
+    out = auto.loss(logp=new, logp_old=old, logp_rollout=mu, advantages=adv, mask=mask)
+    lines = auto.observe(metrics, step)                 # after the step: the switches it made
+    if auto.resync: ...                                 # staleness handled: re-sync at ESS < 0.5
+
 What the log-probs a framework has can tell apart (docs/integrations.md):
     mu, pi_old, pi_theta   numerical, staleness and total
     mu, pi_old             numerical only (before the step, or an on-policy step)
@@ -22,9 +27,10 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any
 
-from tether.advice import Recommendation, evidence_from_rows, format_advice, recommend
+from tether.advice import ESS_TAU, Recommendation, evidence_from_rows, format_advice, recommend
+from tether.auto import NUMERICAL, OFF_AFTER, ON_AFTER, STALENESS, Base, Controller
 from tether.diagnostics import decompose, mismatch_metrics
-from tether.estimators import LossOutput, TokenBatch, build_estimator
+from tether.estimators import Estimator, LossOutput, TokenBatch, build_estimator
 from tether.lazy import torch
 from tether.weights.policy import EssTrigger, staleness_ess
 
@@ -100,3 +106,85 @@ def advise(metrics: dict[str, float], batch: int, estimator: str = "grpo",
     e = replace(e, staleness_what="this batch")
     rec = recommend(e, estimator, sync_policy)
     return rec, format_advice(e, rec)
+
+
+class Auto:
+    """train.correction=auto for any loop (tether.auto): the correction each cause calls for,
+    switched with hysteresis, applied to the user's objective.
+
+    `estimator`: a preset or composition without a correction (grpo, naive, gspo, vespo, ...);
+    `batch`: N, the responses in one optimizer step. After each step, `observe(split(...)
+    metrics, step)` returns the switch lines that step's figures completed; `loss` trains with
+    the choice in force (centered while staleness is handled and the top-K tensors are
+    passed); `resync` says whether staleness is handled, i.e. whether to re-sync the generator
+    at ESS < `tau` (`resync()`). `state_dict`/`load_state_dict` for checkpoints."""
+
+    tau = ESS_TAU
+
+    def __init__(self, estimator: str = "grpo", *, batch: int, on_after: int = ON_AFTER,
+                 off_after: int = OFF_AFTER, **params: Any):
+        self.base = Base.of(estimator, params)
+        self.controller = Controller(batch, on_after, off_after)
+        self._built: dict[tuple[str, str], Estimator] = {}
+
+    @property
+    def numerical(self) -> str:
+        """none, cis or icepop: the numerical correction in force (centered when `centers`)."""
+        return self.controller.numerical
+
+    @property
+    def staleness(self) -> str:
+        """plain or resync."""
+        return self.controller.staleness
+
+    @property
+    def resync(self) -> bool:
+        return self.staleness == "resync"
+
+    @property
+    def centers(self) -> bool:
+        """Staleness handled: DLC's centering over the generator's top-K, which also corrects
+        the numerical part (pass the top-K tensors to `loss`; without them the loss uses
+        `numerical`'s cap instead)."""
+        return self.resync and self.base.can_center
+
+    def choice(self, has_topk: bool = False) -> tuple[str, str]:
+        """(numerical, staleness) in force for a batch with or without the top-K; numerical
+        is "center" when `centers` and the batch has it (centering is then the numerical
+        correction, DLC's)."""
+        return "center" if self.centers and has_topk else self.numerical, self.staleness
+
+    def estimator(self, has_topk: bool = False) -> Estimator:
+        """The estimator in force, for a batch with or without the top-K."""
+        key = self.choice(has_topk)
+        if key not in self._built:
+            self._built[key] = self.base.estimator(*key)
+        return self._built[key]
+
+    def codes(self, has_topk: bool = False) -> dict[str, float]:
+        """The choice in force as tether's metrics auto/numerical and auto/staleness."""
+        numerical, staleness = self.choice(has_topk)
+        return {"auto/numerical": float(NUMERICAL.index(numerical)),
+                "auto/staleness": float(STALENESS.index(staleness))}
+
+    def loss(self, *, logp: torch.Tensor, logp_old: torch.Tensor, logp_rollout: torch.Tensor,
+             advantages: torch.Tensor, mask: torch.Tensor, **tensors: torch.Tensor) -> LossOutput:
+        """`loss(...)` with the estimator in force; `tensors` as there (topk_ids, ...)."""
+        batch = TokenBatch(logp=logp, logp_old=logp_old, logp_rollout=logp_rollout,
+                           advantages=advantages, mask=mask, **tensors)
+        return self.estimator("topk_ids" in tensors)(batch)
+
+    def observe(self, metrics: dict[str, float], step: int) -> list[str]:
+        """One step's `split` metrics (1-based `step`); a line per switch they completed."""
+        return [c.line for c in self.controller.observe(metrics, step)]
+
+    @property
+    def evidence(self) -> dict[str, float]:
+        """The last observed step's figures behind the choice (auto/numerical/chi2_seq, ...)."""
+        return self.controller.evidence
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.controller.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.controller.load_state_dict(state)

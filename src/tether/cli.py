@@ -200,6 +200,10 @@ Run one of the papers' experiments on the embedded testbed (DESIGN.md section 7)
          optimizer steps) x {grpo, gspo, sapo, vespo, vespo /T, vespo /sqrtT} x 3 seeds,
          against N = 1 (grpo x 5 seeds, sapo x 3: on-policy the six are two gradients);
          Countdown answers written as steps (4 numbers), dense model
+  auto   dense model, lr 2e-4: train.correction=auto against the fixed presets {naive, tis,
+         cis, dlc} in 5 scenarios: exact (nothing material), fp8 + lag 32 (staleness), fp32
+         + heavy-tailed logit noise (numerical), fp8 + lag 32 from step 30 (a cause that
+         starts mid-run), fp8 in the async loop (eta 32); 3 seeds, reference exact x naive 5
 Groups cut from dlc's default matrix to fit the hour still run when --only names them
 (fp8:dlc, lag32:dlc_clip, fp8_async32:dlc_window). Default matrix, measured with --workers 2
 on this project's 2-core machine, nothing else running (RESULTS.md): dlc 57 min for its 65
@@ -319,9 +323,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_cmd_probe)
 
     p = sub.add_parser(
-        "experiment", help="Run a paper's experiment matrix (dlc, cis, vespo); resumable.",
+        "experiment", help="Run an experiment matrix (dlc, cis, vespo, auto); resumable.",
         description=EXPERIMENT_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("name", choices=["dlc", "cis", "vespo"], help="Which experiment.")
+    p.add_argument("name", choices=["dlc", "cis", "vespo", "auto"], help="Which experiment.")
     p.add_argument("--quick", action="store_true",
                    help="A reduced matrix (1 seed, 2 settings x 2 methods, a few small steps, "
                    "a lightly warm-started model): a smoke test. Measured on 2 cores: dlc 1 min "
@@ -331,7 +335,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="Experiment directory (default runs/experiments/NAME[-quick]); rerun "
                    "with the same DIR to resume.")
     p.add_argument("--seeds", type=int, metavar="N",
-                   help="Seeds per scenario x method (default: dlc 3, cis 3, vespo 3; quick 1).")
+                   help="Seeds per scenario x method (default: 3 for each experiment; quick 1).")
     p.add_argument("--workers", type=int, default=2, metavar="N",
                    help="Cells run in parallel, each in its own process with one torch "
                    "thread (default 2; at most the number of free cores).")

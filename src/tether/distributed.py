@@ -201,7 +201,8 @@ class TrainerRanks(RankView):
         return self.call(placement)
 
     def begin(self, *work: Any) -> None:
-        """Hand the other ranks this step's (batch, advantages, logp_old, topk_logp_old)."""
+        """Hand the other ranks this step's (estimator spec, batch, advantages, logp_old,
+        topk_logp_old)."""
         self.check(intact=True)
         try:
             self.channel.send((train, work))
@@ -349,8 +350,9 @@ def placement(ctx: RankContext) -> list[str]:
     return out
 
 
-def train(ctx: RankContext, *work: Any) -> None:
-    """A training step on a rank > 0 (`TrainerRanks.begin`)."""
+def train(ctx: RankContext, spec: Any, *work: Any) -> None:
+    """A training step on a rank > 0 (`TrainerRanks.begin`), with rank 0's estimator."""
+    ctx.trainer.use(spec)
     ctx.trainer.train_on(*work)
 
 

@@ -17,6 +17,7 @@ from typing import Any
 import yaml
 
 from tether.advice import ROUNDING_K3, advise_run
+from tether.auto import NUMERICAL, STALENESS, format_timeline
 from tether.dump import dump_rows, is_dump
 from tether.errors import InputError
 from tether.logger import read_jsonl
@@ -186,10 +187,23 @@ def summarize(rows: list[dict[str, Any]], cfg: dict[str, Any], tau: float | None
                    f"tokens {share[0]:.1%} -> {share[-1]:.1%} (max {max(share):.1%})")
 
     # Whether either cause is material, and the correction `tether probe` would give.
-    advice = advise_run(train_rows, cfg)
+    advice = _advice(train_rows, cfg, why=True)
     if advice is not None:
         out += ["", "by cause, over the run (thresholds: docs/probe.md):", advice]
     return "\n".join(out)
+
+
+def _advice(rows: list[dict[str, Any]], cfg: dict[str, Any], why: bool) -> str | None:
+    """The advice for the run's causes, and under train.correction=auto what auto chose."""
+    advice, chose = advise_run(rows, cfg, why), format_timeline(rows)
+    if chose is None:
+        return advice
+    if advice is None:
+        return chose
+    # The run-wide advice is what one fixed choice for the whole run would be.
+    advice = "\n".join(f"advice for a fixed choice over the whole run: {line[8:]}"
+                       if line.startswith("advice: ") else line for line in advice.splitlines())
+    return f"{advice}\n{chose}"
 
 
 def dominance(k3: dict[str, float]) -> str:
@@ -217,7 +231,8 @@ def plot(rows: list[dict[str, Any]], cfg: dict[str, Any], out_dir: Path,
     train_rows = training_rows(rows)
     synced = [r["step"] for r in train_rows if _num(r.get("sync/synced"))]
     tripped = [r["step"] for r in train_rows if _num(r.get("sync/tripped"))]
-    title = (f"{cfg.get('train', {}).get('estimator', '?')}, generator "
+    auto = " (correction auto)" if cfg.get("train", {}).get("correction") == "auto" else ""
+    title = (f"{cfg.get('train', {}).get('estimator', '?')}{auto}, generator "
              f"{cfg.get('rollout', {}).get('precision', '?')}, sync {cfg.get('sync', {}).get('policy', '?')}"
              f", lag {cfg.get('sync', {}).get('lag', 0)}")
     paths = []
@@ -239,8 +254,11 @@ def plot(rows: list[dict[str, Any]], cfg: dict[str, Any], out_dir: Path,
         plt.close(fig)
         paths.append(path)
 
-    # 1. The decomposition: k3 KL and max |log-ratio| per cause.
-    fig, axes = plt.subplots(2, 1, figsize=(9, 7), sharex=True)
+    # 1. The decomposition: k3 KL and max |log-ratio| per cause; under train.correction=auto,
+    #    the choice in force per cause below them.
+    chose = any("auto/numerical" in r for r in train_rows)
+    fig, axes = plt.subplots(3 if chose else 2, 1, figsize=(9, 9 if chose else 7), sharex=True,
+                             height_ratios=[2, 2, 1] if chose else None)
     for metric, ax, label in (("k3_kl/mean", axes[0], "k3 KL per token"),
                               ("abs_log_ratio/max", axes[1], "max |log-ratio|")):
         for cause, color in CAUSE_COLORS.items():
@@ -254,7 +272,9 @@ def plot(rows: list[dict[str, Any]], cfg: dict[str, Any], out_dir: Path,
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8, loc="best", framealpha=0.85)
     axes[0].set_title(f"Mismatch by cause: numerical (pi_old vs mu), staleness (pi_theta vs pi_old)\n{title}")
-    axes[1].set_xlabel("step")
+    if chose:
+        _plot_choices(axes[2], train_rows)
+    axes[-1].set_xlabel("step")
     save(fig, "decomposition.png")
 
     # 2. ESS against the threshold, with syncs and the trained batches' staleness.
@@ -329,11 +349,24 @@ def plot(rows: list[dict[str, Any]], cfg: dict[str, Any], out_dir: Path,
     return paths
 
 
+def _plot_choices(ax: Any, rows: list[dict[str, Any]]) -> None:
+    """train.correction=auto's choice per cause and step, as step lines on named levels."""
+    s, num = series(rows, "auto/numerical")
+    ax.step(s, num, where="mid", color=CAUSE_COLORS["numerical"], label="numerical correction")
+    s, stale = series(rows, "auto/staleness")
+    ax.step(s, [len(NUMERICAL) + v for v in stale], where="mid", color=CAUSE_COLORS["staleness"],
+            label="staleness handling")
+    ax.set_yticks(range(len(NUMERICAL) + len(STALENESS)), [*NUMERICAL, *STALENESS])
+    ax.set_ylabel("auto's choice")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8, loc="best", framealpha=0.85)
+
+
 def run_advice(run_dir: str | Path) -> str | None:
     """The split by cause and the advice for a finished run, without the reasons (the end of
     `tether train`; `tether inspect` gives them)."""
     rows, cfg = load_run(run_dir)
-    return advise_run(training_rows(rows), cfg, why=False)
+    return _advice(training_rows(rows), cfg, why=False)
 
 
 def inspect_run(run_dir: str | Path, out_dir: str | Path | None = None, plots: bool = True,

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from tether.config import Config, RolloutConfig, resolve_logprobs_topk
+from tether.config import Config, RolloutConfig, centering_topk, resolve_logprobs_topk
 from tether.errors import InputError
 from tether.models import load_model
 from tether.models.routing import is_moe, routers
@@ -129,6 +129,8 @@ def build_generator(cfg: Config, model: PreTrainedModel, model_path: Path,
         from tether.rollout.vllm_engine import VLLMGenerator  # an optional dependency
 
         topk = resolve_logprobs_topk(cfg, model.config.vocab_size)
+        if cfg.train.correction == "auto":  # it may turn centering on mid-run
+            topk = max(topk, centering_topk(cfg, model.config.vocab_size))
         generator = VLLMGenerator(model_path, r.precision, eos_token_id=tokenizer.eos_token_id,
                                   max_logprobs=max(20, topk), record_routes=record,
                                   **vllm_memory(r, on_cpu=not torch.cuda.is_available()))

@@ -12,7 +12,7 @@ A wrong key or value fails at load, before any work, with its dotted path in the
 """
 
 from tether.config.base import ConfigError, CrossFieldError
-from tether.config.checks import resolve_logprobs_topk
+from tether.config.checks import centering_topk, resolve_logprobs_topk
 from tether.config.fields import SECTIONS, describe_fields, format_fields
 from tether.config.load import dump_config, load_config, parse_overrides
 from tether.config.loop import LoopConfig
@@ -66,6 +66,7 @@ __all__ = [
     "TrainConfig",
     "UserTaskConfig",
     "WeightsConfig",
+    "centering_topk",
     "describe_fields",
     "dump_config",
     "format_fields",

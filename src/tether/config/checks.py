@@ -20,6 +20,15 @@ def resolve_logprobs_topk(cfg: Config, vocab_size: int) -> int:
 
     if not build_estimator(cfg.train.estimator, **cfg.train.estimator_params).centering:
         return 0
+    return centering_topk(cfg, vocab_size)
+
+
+def centering_topk(cfg: Config, vocab_size: int) -> int:
+    """The top-K a centering estimator reads: `rollout.logprobs_topk` when set, else every
+    token of a small vocabulary, else DEFAULT_CENTERING_TOPK. What an engine must be able to
+    give when train.correction=auto may turn centering on."""
+    if cfg.rollout.logprobs_topk is not None:
+        return cfg.rollout.logprobs_topk
     return vocab_size if vocab_size <= EXACT_TOPK_MAX_VOCAB else DEFAULT_CENTERING_TOPK
 
 
@@ -42,12 +51,15 @@ def check_registries(cfg: Config) -> None:
         policy = parse_sync_policy(cfg.sync.policy, cfg.train.estimator)
     except ValueError as e:
         raise ConfigError(f"sync.policy: {e}") from None
-    if cfg.sync.on_trip == "regenerate" and not policy.measures_ess:
+    auto = cfg.train.correction == "auto"
+    if auto:
+        _check_auto(cfg, estimator, policy)
+    if cfg.sync.on_trip == "regenerate" and not policy.measures_ess and not auto:
         raise ConfigError(
             f"sync.on_trip=regenerate applies to the batch that trips an ESS re-sync, but "
             f"sync.policy resolves to {policy.spec}: use sync.policy=ess:TAU or on_trip=train"
         )
-    if cfg.loop.mode == "async":
+    if cfg.loop.mode == "async" and not auto:
         _check_async_policy(cfg, policy)
     bound = policy.k if isinstance(policy, BoundedK) else None
     if bound is not None and cfg.sync.lag > bound:
@@ -67,6 +79,25 @@ def check_registries(cfg: Config) -> None:
                 require(package, f"log.{key}")
             except ImportError as e:
                 raise ConfigError(str(e)) from None
+
+
+def _check_auto(cfg: Config, estimator: Any, policy: Any) -> None:
+    """train.correction=auto chooses the correction and the re-sync: the config must leave
+    both to it (tether.auto)."""
+    from tether.auto import Base
+
+    problem = Base.check(estimator)
+    if problem:
+        raise ConfigError(f"train.estimator: {problem}")
+    if policy.measures_ess or cfg.loop.window == "ess":
+        raise ConfigError(
+            f"train.correction=auto switches the ESS re-sync (and, async, the ESS window) on "
+            f"and off itself; sync.policy={policy.spec} / loop.window={cfg.loop.window} would "
+            "keep it on: set sync.policy to every:K, bounded:K or resync:K and loop.window=fixed"
+        )
+    if cfg.loop.mode == "async":
+        _check_async_policy(cfg.model_copy(update={"loop": cfg.loop.model_copy(
+            update={"window": "fixed", "after_trip": "window"})}), policy)
 
 
 def _check_async_policy(cfg: Config, policy: Any) -> None:
@@ -103,8 +134,10 @@ def resolve_sync(cfg: Config) -> Config:
 
     spec = resolve_policy_spec(cfg.sync.policy, cfg.train.estimator)
     rule = cfg.loop.after_trip
-    if rule == "auto":
-        rule = "regenerate" if cfg.loop.window == "ess" else "window"
+    if rule == "auto":  # train.correction=auto: for when it turns the ESS window on
+        ess = cfg.loop.window == "ess" or (cfg.train.correction == "auto"
+                                           and cfg.loop.mode == "async")
+        rule = "regenerate" if ess else "window"
     return cfg.model_copy(update={"sync": cfg.sync.model_copy(update={"policy": spec}),
                                   "loop": cfg.loop.model_copy(update={"after_trip": rule})})
 

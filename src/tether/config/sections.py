@@ -145,6 +145,18 @@ class TrainConfig(Node):
     estimator_params: dict[str, bool | float | str] = Field(
         default_factory=dict, description="Estimator keyword parameters, e.g. {cap: 2.0}."
     )
+    correction: Literal["fixed", "auto"] = Field("fixed", description=(
+        "fixed: train.estimator and sync.policy as set, the whole run. auto: each step's "
+        "measured split chooses per cause (docs/estimators.md, 'The correction chosen "
+        "online'): none, cis or icepop for a material numerical mismatch; the ESS re-sync "
+        "(and, async, the ESS window) with DLC's centering for material staleness. "
+        "train.estimator then names the objective only (grpo, gspo, vespo, ...)."))
+    auto_on_after: int = Field(3, ge=1, description=(
+        "train.correction=auto: consecutive steps a cause must call for a correction before "
+        "it is switched on (k)."))
+    auto_off_after: int = Field(6, ge=1, description=(
+        "train.correction=auto: consecutive steps a cause must call for none before its "
+        "correction is switched off (m)."))
     adv_std_norm: bool = Field(
         True, description="Divide group-centred rewards by the group's std (GRPO); false: Dr. GRPO."
     )
@@ -195,6 +207,12 @@ class SyncConfig(Node):
         0, ge=0,
         description="Staleness source: a delivery hands the generator the weights of `lag` "
         "versions ago (DLC's stale generator; 0: the current ones). ESS re-syncs bypass it.",
+    )
+    lag_from: int = Field(
+        0, ge=0,
+        description="The 0-based step from whose delivery on sync.lag applies (before it the "
+        "generator gets the current weights): a staleness cause that starts mid-run, as when "
+        "a generator's updates stop arriving (tether experiment auto, scenario 4).",
     )
     on_trip: Literal["train", "regenerate"] = Field(
         "train",

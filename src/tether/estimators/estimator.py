@@ -91,6 +91,12 @@ class Estimator:
         return obj.coef.detach()
 
     @property
+    def spec(self) -> tuple[str, str, bool, dict[str, Any]]:
+        """(objective, correction, centering, params): plain data that `rebuild` turns back
+        into this estimator (what a trainer rank is sent when the estimator changes)."""
+        return self.objective.name, self.correction.name, self.centering, dict(self.params)
+
+    @property
     def needs_prox(self) -> bool:
         """Whether the loss reads `logp_prox` (decoupled PPO): the trainer then scores it."""
         return "logp_prox" in self.objective.inputs + self.correction.inputs

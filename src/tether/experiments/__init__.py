@@ -1,6 +1,6 @@
 """The papers' experiments on the embedded testbed (DESIGN.md section 7): one command each.
 
-    tether experiment dlc|cis|vespo [--quick] [--out DIR] [--seeds N] [--workers N] [--set K=V ...]
+    tether experiment dlc|cis|vespo|auto [--quick] [--out DIR] [--seeds N] [--workers N] [--set K=V ...]
     tether report DIR
 
 `run(name, ...)` builds the matrix (`<name>.build`), runs the cells not yet done
@@ -13,10 +13,10 @@ from __future__ import annotations
 from pathlib import Path
 
 from tether.errors import InputError
-from tether.experiments import analysis, cis, dlc, vespo
+from tether.experiments import analysis, auto, cis, dlc, vespo
 from tether.experiments.runner import Cell, Experiment, run_experiment
 
-EXPERIMENTS = {"dlc": dlc, "cis": cis, "vespo": vespo}
+EXPERIMENTS = {"dlc": dlc, "cis": cis, "vespo": vespo, "auto": auto}
 
 
 def get(name: str):

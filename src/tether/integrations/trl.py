@@ -25,6 +25,7 @@ allows.
 
 from __future__ import annotations
 
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -54,21 +55,39 @@ class TetherGRPOTrainer(GRPOTrainer):
     resync_tau: DLC's ESS re-sync. When the token ESS of pi_theta/pi_old on a batch falls
         below tau, the rest of the generation is dropped and regenerated at the current
         weights (logged as sync/ess/token, sync/tripped).
+    correction: "fixed" (the estimator as given) or "auto": `tether train`'s
+        train.correction=auto (tether.api.Auto). `estimator` then names the objective only
+        (default grpo); after each optimizer step, the mean of its micro-steps' split chooses
+        per cause: cis or icepop for a material numerical mismatch, the ESS re-sync at 0.5
+        for material staleness with centering (with generator=..., which records the top-K;
+        otherwise the numerical cap stays). Logged as auto/numerical, auto/staleness.
     dump: a path; every trained token's mu, pi_old and pi_theta are appended there in
         tether.dump's format, which `tether inspect` reads.
     """
 
     def __init__(self, *args: Any, estimator: str | None = None,
                  estimator_params: dict[str, Any] | None = None, generator: str | None = None,
-                 resync_tau: float | None = None, dump: str | Path | None = None, **kwargs: Any):
+                 resync_tau: float | None = None, dump: str | Path | None = None,
+                 correction: str = "fixed", **kwargs: Any):
         if generator is not None and kwargs.get("rollout_func") is not None:
             raise ValueError("generator= replaces TRL's generation with tether's engine; it "
                              "cannot be combined with a rollout_func")
         if generator is not None:
             kwargs["rollout_func"] = self._tether_rollout
         super().__init__(*args, **kwargs)
+        if correction not in ("fixed", "auto"):
+            raise ValueError(f"correction={correction!r}: valid are 'fixed' and 'auto'")
+        if correction == "auto":
+            if resync_tau is not None:
+                raise ValueError("correction='auto' chooses the ESS re-sync itself; leave "
+                                 "resync_tau unset")
+            estimator = estimator or "grpo"
         self.tether_estimator = estimator
         self.tether_params = dict(estimator_params or {})
+        self._auto = None if correction == "fixed" else api.Auto(
+            estimator, batch=self._batch, **self.tether_params)
+        self._auto_split: list[dict[str, float]] = []  # the optimizer step's micro-steps
+        self._auto_step = 0
         self.tether_generator = generator
         self.resync_tau = resync_tau
         self._engine: HFGenerator | None = None
@@ -76,6 +95,8 @@ class TetherGRPOTrainer(GRPOTrainer):
         self._logp: torch.Tensor | None = None
         # What the estimator reads (api.needs), once: "topk" makes the engine record top-K.
         self._reads = set() if estimator is None else api.needs(estimator, **self.tether_params)
+        if self._auto is not None:  # what it may switch on; the top-K only with tether's engine
+            self._reads |= {"logp_rollout"}
         self._check(estimator)
         self._dump = None if dump is None else DumpWriter(
             dump, source="trl", estimator=estimator or f"trl:{self.loss_type}", batch=self._batch,
@@ -106,7 +127,7 @@ class TetherGRPOTrainer(GRPOTrainer):
                 f"gradient_accumulation_steps = {self.args.gradient_accumulation_steps}), so "
                 "pi_theta never drifts from pi_old and the re-sync cannot trip; raise "
                 "steps_per_generation or num_iterations, or leave resync_tau unset")
-        reads = self._reads
+        reads = self._reads - ({"logp_rollout"} if self._auto is not None else set())
         if "logp_prox" in reads:
             raise ValueError(f"estimator {estimator!r} needs pi_prox (the trainer at the step's "
                              "start), which TRL does not keep")
@@ -139,7 +160,7 @@ class TetherGRPOTrainer(GRPOTrainer):
             # trainer's model: the copy would run the trainer's. The class's forward is the copy's.
             self._engine.model.__dict__.pop("forward", None)
         self._engine.load_weights(model.state_dict(), version=self.state.global_step)
-        centering = "topk" in self._reads
+        centering = "topk" in self._reads or (self._auto is not None and self._auto.centers)
         args = self.args
         sampling = SamplingParams(n=G, temperature=args.temperature, top_k=args.top_k or 0,
                                   top_p=args.top_p, max_new_tokens=args.max_completion_length,
@@ -204,6 +225,8 @@ class TetherGRPOTrainer(GRPOTrainer):
 
     def _compute_loss(self, model: torch.nn.Module, inputs: dict[str, Any]) -> torch.Tensor:
         mode = "train" if self.model.training else "eval"
+        if mode == "train":
+            self._auto_observe()
         mask = inputs["completion_mask"]
         if "tool_mask" in inputs:
             mask = mask * inputs["tool_mask"]
@@ -223,9 +246,13 @@ class TetherGRPOTrainer(GRPOTrainer):
                 "topk_ids": inputs["tether_topk_ids"],
                 "topk_logp_rollout": inputs["tether_topk_logp_rollout"], "topk_logp": topk_logp,
                 "topk_logp_old": inputs.get("tether_topk_logp_old", topk_logp.detach())}
-            out = api.loss(self.tether_estimator, logp=logp, logp_old=old,
-                           logp_rollout=old if mu is None else mu,
-                           advantages=inputs["advantages"], mask=mask, **topk, **self.tether_params)
+            tensors = {"logp": logp, "logp_old": old, "logp_rollout": old if mu is None else mu,
+                       "advantages": inputs["advantages"], "mask": mask, **topk}
+            out = (api.loss(self.tether_estimator, **tensors, **self.tether_params)
+                   if self._auto is None else self._auto.loss(**tensors))
+            if self._auto is not None and mode == "train":
+                for k, v in self._auto.codes("topk_ids" in topk).items():
+                    self._metrics[mode][k].append(v)
             # TRL sums the micro-batches of one optimizer step; tether's loss is their mean.
             loss = out.loss / (self.current_gradient_accumulation_steps if mode == "train" else 1)
             for k, v in out.metrics.items():
@@ -239,12 +266,17 @@ class TetherGRPOTrainer(GRPOTrainer):
         """The split into TRL's logs, the ESS re-sync decision, the dump; the time they take
         is logged as time/tether (s per micro-step: the plug-in's overhead, without a loss)."""
         start = time.perf_counter()
-        for k, v in api.split(mask, logp_rollout=mu, logp_old=old, logp=logp).items():
+        split = api.split(mask, logp_rollout=mu, logp_old=old, logp=logp)
+        for k, v in split.items():
             self._metrics[mode][k].append(v)
         lag = self.state.global_step - inputs["tether_version"].double().mean()
         self._metrics[mode]["staleness/versions/batch"].append(float(lag))
-        if self.resync_tau is not None and mode == "train":
-            ess, trip = api.resync(logp, old, mask, self.resync_tau)
+        tau = self.resync_tau
+        if self._auto is not None and mode == "train":
+            self._auto_split.append(split)
+            tau = self._auto.tau if self._auto.resync else None
+        if tau is not None and mode == "train":
+            ess, trip = api.resync(logp, old, mask, tau)
             self._metrics[mode]["sync/ess/token"].append(ess)
             self._metrics[mode]["sync/tripped"].append(float(trip))
             if trip:  # TRL generates again when its buffer is empty
@@ -255,6 +287,18 @@ class TetherGRPOTrainer(GRPOTrainer):
                                    inputs["completion_ids"], inputs["completion_mask"], mask,
                                    logp_rollout=mu, logp_old=old, logp=logp)
         self._metrics[mode]["time/tether"].append(time.perf_counter() - start)
+
+    def _auto_observe(self) -> None:
+        """correction='auto', at an optimizer step's first micro-step: the previous step's
+        split (its micro-steps' mean) goes to the controller; its switches apply from here."""
+        if self._auto is None or self.state.global_step == self._auto_step or not self._auto_split:
+            return
+        keys = set().union(*self._auto_split)
+        mean = {k: sum(d[k] for d in self._auto_split if k in d) /
+                sum(k in d for d in self._auto_split) for k in keys}
+        for line in self._auto.observe(mean, self.state.global_step):
+            print(line, file=sys.stderr, flush=True)
+        self._auto_step, self._auto_split = self.state.global_step, []
 
     # --- the verdict -----------------------------------------------------------------------------
 

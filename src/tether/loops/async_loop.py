@@ -17,6 +17,7 @@ import torch
 
 from tether.config import Config
 from tether.ledger import Ledger
+from tether.loops.autocorrect import Correction
 from tether.loops.scheduler import Scheduler
 from tether.loops.skeleton import Clock, Session
 from tether.rollout.backend import RolloutBackend, build_backend
@@ -38,12 +39,13 @@ def train_async(cfg: Config, resume: bool = False) -> RunResult:
     # The workers start building their engines now, in parallel with the evaluation at step 0.
     backend = build_backend(cfg, str(run.model_path), run.run_dir.name)
     sched = Scheduler(cfg, gate.policy, backend, snapshots, ledger, run.sampling_seed)
+    correction = Correction.of(run, gate, sched)  # train.correction=auto: chosen per step
     mirror = _Mirror(run, snapshots)  # the generator's numerics in this process, for diagnostics
     rate = _Throughput()
 
     # On a stop, what is in flight is dropped (sched.stop), to be issued again on resume.
     with Session(run, run.state(sched), resume, close=[backend.stop, ledger.close],
-                 on_stop=sched.stop) as s:
+                 on_stop=sched.stop, correction=correction) as s:
         sched.publish(trainer.version, run.weights())
         for step in s.steps():
             # 1. Admit: issue every rollout batch the staleness bound allows.
@@ -72,7 +74,9 @@ def train_async(cfg: Config, resume: bool = False) -> RunResult:
                 sched.drop(result.item, "ess_trip_regenerated")
                 sched.resync(V, run.weights(), stale)
                 continue
-            # 5. Loss and optimizer step(s) at the current weights (data-parallel: on every rank).
+            # 5. Loss and optimizer step(s) at the current weights (data-parallel: on every
+            #    rank), with the correction in force (train.correction=auto: chosen per step).
+            correction.before(batch)
             out = train_step(trainer, batch, result.rollouts, old, cfg.train.adv_std_norm,
                              cfg.diagnostics.seq_weights)
             tripped = gate.after(out.logp, trainer)  # on_trip=train: off the training forward

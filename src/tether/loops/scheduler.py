@@ -53,6 +53,7 @@ class Scheduler:
         loop = cfg.loop
         self.window = StalenessWindow(self.eta, loop.window_min, loop.window == "ess")
         self.after_trip = loop.after_trip
+        self.topk: int | None = None  # top-K to record, per item (train.correction=auto)
         self.resync_version = -1  # the version the last ESS re-sync published (-1: none yet)
         self.received = 0  # batches that arrived from workers: generated, trained or not
         self.next_slot = 0  # the next slot number to issue
@@ -80,7 +81,7 @@ class Scheduler:
                 prompts = tuple(range(self.next_prompt, self.next_prompt + self.P))
                 attempts, self.next_prompt = (0,) * self.P, self.next_prompt + self.P
             item = WorkItem(self.next_slot, prompts, attempts, self.backend.version,
-                            self.seed_of(self.next_slot))
+                            self.seed_of(self.next_slot), self.topk)
             self.ledger.issued(item.slot, list(zip(prompts, attempts)), item.min_version)
             self.outstanding[item.slot] = item
             self.backend.submit(item)

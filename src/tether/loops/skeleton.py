@@ -1,7 +1,7 @@
 """What both loops do around their steps, written once: start, the end-of-step tail,
 teardown. Each loop (sync_loop, async_loop) is then only its own step.
 
-    with Session(run, state, resume, close=[...], on_stop=...) as s:
+    with Session(run, state, resume, close=[...], on_stop=..., correction=...) as s:
         for step in s.steps():          # step 0's evaluation first; then until train.steps
             ...                         # the loop's step (tether.step)
             s.end_step(row)             # evaluate, log, progress, stop or checkpoint
@@ -31,6 +31,7 @@ from tether.dump import DumpWriter
 from tether.errors import RankFailed
 from tether.guards import STOP
 from tether.logger import read_jsonl
+from tether.loops.autocorrect import Correction
 from tether.run import Run, RunResult
 from tether.step import Diagnostics
 
@@ -40,8 +41,12 @@ log = logging.getLogger("tether.diagnostics")
 class Session:
     def __init__(self, run: Run, state: RunState, resume: bool,
                  close: list[Callable[[], Any]] | None = None,
-                 on_stop: Callable[[], Any] = lambda: None):
+                 on_stop: Callable[[], Any] = lambda: None,
+                 correction: Correction | None = None):
         self.run, self.state, self.on_stop = run, state, on_stop
+        self.correction = correction  # train.correction=auto: checkpointed, switched per step
+        if correction is not None and correction.auto:
+            state.extra["correction"] = correction
         self._close = list(close or [])
         try:
             if run.ranks is not None:  # sharded: started with the run, every rank loads the checkpoint
@@ -94,6 +99,8 @@ class Session:
         self.done += 1
         step = self.done
         row = {"step": step, **row}
+        if self.correction is not None:
+            row |= self.correction.after_step(step, row)
         if run.eval_due(step):
             row |= run.evaluate()
         self.log.log(row)

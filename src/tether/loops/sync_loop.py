@@ -11,6 +11,7 @@ end-of-step tail and teardown: tether.loops.skeleton; the step: tether.step.
 from __future__ import annotations
 
 from tether.config import Config
+from tether.loops.autocorrect import Correction
 from tether.loops.skeleton import Clock, Session
 from tether.rollout.worker import rewarded_rollouts
 from tether.run import RunResult, build_run
@@ -27,18 +28,21 @@ def train_sync(cfg: Config, resume: bool = False) -> RunResult:
     model, trainer, tokenizer, r = run.model, run.trainer, run.tokenizer, cfg.rollout
     generator = build_generator(cfg, run.generator_model(), run.model_path, tokenizer)  # one, in this process
     gate, snapshots = StalenessGate.of(cfg), run.snapshots()  # the policy; kept versions
+    correction = Correction.of(run, gate)  # train.correction=auto: chosen step by step
     sync = Synchronizer(gate.policy, InProcessPublisher(generator), snapshots, run.weights(),
-                        cfg.sync.lag)
+                        cfg.sync.lag, cfg.sync.lag_from)
     generator_model = lambda v: getattr(generator, "model", None)  # vLLM: None (in its engine)
 
     def sample(step: int):
         """G rewarded samples per prompt at the generator's weight version, and as tensors."""
         indices = [step * r.prompts_per_step + i for i in range(r.prompts_per_step)]
         rollouts = rewarded_rollouts(generator, tokenizer, run.task, run.reward_fn, indices,
-                                     run.sampling, seed=run.sampling_seed(step))
+                                     correction.sampling(run.sampling),
+                                     seed=run.sampling_seed(step))
         return rollouts, collate(rollouts, tokenizer.pad_token_id, model.device)
 
-    with Session(run, run.state(sync), resume, close=[generator.close]) as s:
+    with Session(run, run.state(sync), resume, close=[generator.close],
+                 correction=correction) as s:
         for step in s.steps():
             clock = Clock()
             # 1. Generate: G rewarded samples per prompt at the generator's weight version.
@@ -57,7 +61,9 @@ def train_sync(cfg: Config, resume: bool = False) -> RunResult:
                 old, batch = old_logprobs(trainer, batch, snapshots)
             clock.lap("sync")
             V = trainer.version
-            # 4. Loss and optimizer step(s) at the current weights (data-parallel: on every rank).
+            # 4. Loss and optimizer step(s) at the current weights (data-parallel: on every
+            #    rank), with the correction in force (train.correction=auto: chosen per step).
+            correction.before(batch)
             out = train_step(trainer, batch, rollouts, old, cfg.train.adv_std_norm,
                              cfg.diagnostics.seq_weights)
             clock.lap()

@@ -19,7 +19,7 @@ import signal
 import sys
 import time
 import traceback
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -81,6 +81,7 @@ class WorkItem:
     attempts: tuple[int, ...]  # each prompt's attempt number (ledger)
     min_version: int  # the published version when issued: the oldest weights allowed
     seed: int
+    topk: int | None = None  # top-K log-probs to record (train.correction=auto); None: config's
 
 
 @dataclass
@@ -142,11 +143,13 @@ class RolloutEngine:
         (partial rollouts) may load newer weights between decode steps."""
         loaded, self.load_s = self.load_s, 0.0
         extra = {"refresh": refresh} if self.partial and refresh is not None else {}
+        sampling = self.sampling if item.topk is None else \
+            replace(self.sampling, logprobs_topk=item.topk)
         t0 = time.perf_counter()
         self.sampling_now = True
         try:
             problems, rollouts = sample(self.generator, self.tokenizer, self.task,
-                                        list(item.prompts), self.sampling, item.seed, **extra)
+                                        list(item.prompts), sampling, item.seed, **extra)
         finally:
             self.sampling_now = False
         t1 = time.perf_counter()

@@ -22,8 +22,8 @@ class Collective(Protocol):
         ...
 
     def begin(self, *work: Any) -> None:
-        """A training step starts on `work` (batch, advantages, logp_old, topk_logp_old):
-        rank 0 hands it to the other ranks; elsewhere nothing."""
+        """A training step starts on `work` (the estimator's spec, batch, advantages, logp_old,
+        topk_logp_old): rank 0 hands it to the other ranks; elsewhere nothing."""
         ...
 
     def failed(self, cause: Exception, intact: bool) -> None:

@@ -66,6 +66,14 @@ class Trainer(TokenScorer):
         self.version = int(state["version"])
         self.guard.load_state_dict(state["guard"])
 
+    def use(self, spec: tuple[str, str, bool, dict[str, Any]]) -> None:
+        """Train with the estimator of `spec` (`Estimator.spec`) from now on: the one rank 0
+        trains with (train.correction=auto changes it during a run)."""
+        if spec != self.estimator.spec:
+            objective, correction, centering, params = spec
+            self.estimator = build_estimator(objective=objective, correction=correction,
+                                             centering=centering, **params)
+
     def score_now(self, batch: RolloutTensors) -> torch.Tensor:
         """(B, T) no-grad log-probs of the batch's tokens at the current weights; sharded, a
         forward on every rank together (rank 0 asks, tether.distributed)."""
@@ -96,7 +104,7 @@ class Trainer(TokenScorer):
         if logp_old is None and self.cfg.minibatches != 1:
             raise ValueError("logp_old=None needs train.minibatches=1: later mini-batches "
                              "train after the weights moved")
-        self.collective.begin(batch, advantages, logp_old, topk_logp_old)
+        self.collective.begin(self.estimator.spec, batch, advantages, logp_old, topk_logp_old)
         B = batch.input_ids.shape[0]
         mb = B // self.cfg.minibatches
         idxs = [self.collective.rows(start, mb) for start in range(0, B, mb)]  # this rank's

@@ -22,7 +22,16 @@ from typing import Any, Protocol
 
 import torch
 
-from tether.weights.policy import ON_TRIP, SyncPolicy, parse_sync_policy, staleness_ess, trained_ess
+from tether.advice import ESS_TAU
+from tether.weights.policy import (
+    ON_TRIP,
+    EssTrigger,
+    Switched,
+    SyncPolicy,
+    parse_sync_policy,
+    staleness_ess,
+    trained_ess,
+)
 
 
 class Scorer(Protocol):
@@ -38,9 +47,12 @@ class StalenessGate:
 
     @classmethod
     def of(cls, cfg: Any) -> StalenessGate:
-        """The gate of `sync.policy` (resolved for `train.estimator`) and `sync.on_trip`."""
-        return cls(parse_sync_policy(cfg.sync.policy, cfg.train.estimator), cfg.sync.on_trip,
-                   cfg.train.minibatches)
+        """The gate of `sync.policy` (resolved for `train.estimator`) and `sync.on_trip`;
+        under train.correction=auto, that policy or DLC's ESS re-sync, as auto chooses."""
+        policy = parse_sync_policy(cfg.sync.policy, cfg.train.estimator)
+        if cfg.train.correction == "auto":
+            policy = Switched(policy, EssTrigger(ESS_TAU))
+        return cls(policy, cfg.sync.on_trip, cfg.train.minibatches)
 
     def __init__(self, policy: SyncPolicy, on_trip: str = "train", minibatches: int = 1):
         if on_trip not in ON_TRIP:

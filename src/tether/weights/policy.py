@@ -151,6 +151,41 @@ class ResyncK:
         return blocked or self.overdue(behind)
 
 
+@dataclass
+class Switched:
+    """train.correction=auto: the configured policy (`plain`), or the ESS re-sync (`resync`)
+    while auto handles staleness (`on`, set by tether.loops.autocorrect). The gate, the
+    synchronizer and the scheduler share this one object, so a switch reaches all three."""
+
+    plain: SyncPolicy
+    resync: SyncPolicy
+    on: bool = False
+
+    @property
+    def current(self) -> SyncPolicy:
+        return self.resync if self.on else self.plain
+
+    @property
+    def spec(self) -> str:
+        return self.current.spec
+
+    @property
+    def measures_ess(self) -> bool:
+        return self.current.measures_ess
+
+    def routine(self, step: int, trainer_version: int, generator_version: int) -> bool:
+        return self.current.routine(step, trainer_version, generator_version)
+
+    def trips(self, ess: float) -> bool:
+        return self.current.trips(ess)
+
+    def overdue(self, steps_since_resync: int) -> bool:
+        return self.current.overdue(steps_since_resync)
+
+    def publishes(self, behind: int, blocked: bool, tripped: bool) -> bool:
+        return self.current.publishes(behind, blocked, tripped)
+
+
 # The forms of a policy spec: (syntax, an example or "", what it does). The one statement of
 # the syntax: parse errors list the forms, config's `sync.policy` help is `describe_forms()`.
 FORMS = (

@@ -3,7 +3,8 @@
 Two independent choices make the data stale in the synchronous loop:
 - `sync.lag` k (DLC's stale generator): a routine delivery hands the generator the
   weights of k versions ago, never the current ones, so in steady state it samples
-  k versions behind. `train.minibatches` N (VESPO's N) adds staleness inside a batch:
+  k versions behind (from step `sync.lag_from` on: a lag that starts mid-run, its first
+  versions behind growing from 0 to k). `train.minibatches` N (VESPO's N) adds staleness inside a batch:
   its i-th mini-batch is trained i versions after it was sampled.
 - `sync.policy` (tether.weights.policy), when deliveries happen. In this loop `bounded:K`
   delivers only when the next batch would otherwise start training more than K versions
@@ -35,11 +36,12 @@ class Synchronizer:
     the generator holds."""
 
     def __init__(self, policy: SyncPolicy, publisher: Publisher, snapshots: SnapshotStore,
-                 weights: dict[str, torch.Tensor], lag: int = 0):
+                 weights: dict[str, torch.Tensor], lag: int = 0, lag_from: int = 0):
         if lag < 0:
             raise ValueError(f"sync.lag must be >= 0, got {lag}")
         self.policy, self.publisher = policy, publisher
-        self.snapshots, self.lag = snapshots, lag
+        self.snapshots, self.full_lag, self.lag_from = snapshots, lag, lag_from
+        self.lag = lag if lag_from == 0 else 0  # the lag in force (sync.lag_from: 0 before)
         self.steps_since_resync = 0
         self._synced = False
         self.snapshots.put(publisher.version, weights)
@@ -61,6 +63,8 @@ class Synchronizer:
         staleness gate asks for a re-sync to them. Returns this step's sync metrics.
         """
         V, g = trainer_version, self.publisher.version
+        if step >= self.lag_from:  # a cause injected mid-run (sync.lag_from)
+            self.lag = self.full_lag
         if self.lag > 0 and V > g:
             self.snapshots.put(V, weights)  # a later lagged delivery
         self.steps_since_resync += 1

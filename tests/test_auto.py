@@ -1,0 +1,248 @@
+"""train.correction=auto's controller (tether.auto): each cause's choice from one step's
+figures, switched on after k material steps and off after m negligible ones, exactly; the
+estimator and sync policy each choice trains with; the config rules. End to end:
+tests/test_auto_run.py."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from tether.advice import ESS_MARGIN, ESS_TAU, ROUTING_SHARE, TAIL_BAND
+from tether.auto import NUMERICAL, OFF_AFTER, ON_AFTER, Base, Controller, Switch, targets
+from tether.config import ConfigError, load_config
+from tether.estimators import build_estimator
+from tether.trainer import Trainer
+from tether.weights.gate import StalenessGate
+from tether.weights.policy import EssTrigger, EveryK, Switched
+
+N = 256  # 32 prompts x 8 samples: the numerical bar 1/N = 3.9e-3
+
+
+def row(numerical: bool = False, stale: bool = False, heavy: bool = False,
+        routing: float | None = None) -> dict[str, float]:
+    """One step's logged split: material or negligible on each cause."""
+    chi2 = 2e-2 if numerical else 1e-4
+    out = {"numerical/k3_kl/mean": 1e-3 if numerical else 1e-5,
+           "numerical/ess/seq": 1 / (1 + chi2),
+           "numerical/abs_log_ratio/max": TAIL_BAND + 0.5 if heavy else 0.3,
+           "staleness/k3_kl/mean": 0.2 if stale else 1e-3,
+           "staleness/ess/token": ESS_TAU + ESS_MARGIN - 0.1 if stale else 0.95}
+    if routing is not None:
+        out["numerical/routing_disagreement/any_layer"] = routing
+    return out
+
+
+def drive(rows: list[dict], k: int = ON_AFTER, m: int = OFF_AFTER) -> tuple[Controller, list]:
+    c = Controller(N, k, m)
+    changes = []
+    for step, r in enumerate(rows, start=1):
+        changes += c.observe(r, step)
+    return c, [(ch.step, ch.cause, ch.old, ch.new) for ch in changes]
+
+
+def test_material_turns_on_after_k_and_off_after_m():
+    rows = [row(numerical=True)] * 5 + [row()] * 8
+    c, changes = drive(rows)
+    # On after the k-th material step (3), in force from step 4; off after the m-th
+    # negligible one (step 5 + 6 = 11), in force from step 12.
+    assert changes == [(3, "numerical", "none", "cis"), (11, "numerical", "cis", "none")]
+    assert c.numerical == "none" and c.staleness == "plain"
+
+
+def test_flapping_evidence_never_switches():
+    rows = [row(numerical=True), row()] * 10 + [row(stale=True), row(stale=True), row()] * 5
+    assert drive(rows)[1] == []
+
+
+def test_a_streak_broken_once_starts_again():
+    rows = [row(stale=True)] * 2 + [row()] + [row(stale=True)] * 3
+    assert drive(rows)[1] == [(6, "staleness", "plain", "resync")]
+    # Once on, one negligible step among material ones does not turn it off, nor m - 1 of them.
+    rows = [row(stale=True)] * 3 + [row()] * (OFF_AFTER - 1) + [row(stale=True)] + [row()] * OFF_AFTER
+    assert drive(rows)[1] == [(3, "staleness", "plain", "resync"),
+                              (3 + OFF_AFTER + OFF_AFTER, "staleness", "resync", "plain")]
+
+
+def test_the_kind_changes_after_k_steps_of_the_other_kind():
+    rows = [row(numerical=True)] * 3 + [row(numerical=True, heavy=True)] * 3
+    assert drive(rows)[1] == [(3, "numerical", "none", "cis"), (6, "numerical", "cis", "icepop")]
+
+
+def test_both_causes_switch_independently():
+    rows = [row(numerical=True, stale=True)] * 3 + [row(stale=True)] * 6
+    c, changes = drive(rows)
+    assert changes == [(3, "numerical", "none", "cis"), (3, "staleness", "plain", "resync"),
+                       (9, "numerical", "cis", "none")]
+    assert c.staleness == "resync"
+
+
+def test_targets_follow_the_advice_rules():
+    from tether.advice import evidence_from_rows
+
+    def t(r: dict) -> tuple[str, str]:
+        return targets(evidence_from_rows([r], N))[:2]
+
+    assert t(row()) == ("none", "plain")
+    assert t(row(numerical=True)) == ("cis", "plain")
+    assert t(row(numerical=True, heavy=True)) == ("icepop", "plain")  # a heavy tail: mask
+    assert t(row(numerical=True, routing=ROUTING_SHARE + 0.01)) == ("icepop", "plain")
+    assert t(row(numerical=True, routing=ROUTING_SHARE - 0.01)) == ("cis", "plain")
+    assert t(row(heavy=True)) == ("none", "plain")  # a peak alone is not a material cause
+    assert t(row(stale=True)) == ("none", "resync")
+    assert targets(None)[:2] == ("none", "plain")  # nothing logged: no evidence to correct
+    # The bar itself: ESS exactly at tau + margin is not material.
+    at_bar = {**row(), "staleness/k3_kl/mean": 0.1, "staleness/ess/token": ESS_TAU + ESS_MARGIN}
+    assert t(at_bar) == ("none", "plain")
+
+
+@given(st.lists(st.booleans(), max_size=40), st.integers(1, 4), st.integers(1, 8))
+def test_switch_is_the_hysteresis_rule(material, k, m):
+    """The rule, restated: the choice changes at step i exactly when the targets of the
+    `need` steps ending at i (k to turn on, m to turn off) all differ from the active choice
+    and all came after its last change."""
+    s, active, last_change = Switch("off"), "off", 0
+    for i, mat in enumerate(material, start=1):
+        target = "on" if mat else "off"
+        run = 0
+        for j in range(i, last_change, -1):  # steps i, i - 1, ... after the last change
+            if material[j - 1] != mat:
+                break
+            run += 1
+        want = target != active and run >= (k if target == "on" else m)
+        assert s.update(target, "off", k, m) == want
+        if want:
+            active, last_change = target, i
+        assert s.active == active
+
+
+def test_controller_state_round_trips():
+    c, _ = drive([row(numerical=True)] * 4 + [row(stale=True)] * 2)
+    d = Controller(N)
+    d.load_state_dict(c.state_dict())
+    assert (d.num, d.stale) == (c.num, c.stale)
+    assert d.state_dict() == c.state_dict()
+
+
+def test_change_line_names_step_cause_figure_and_threshold():
+    c = Controller(N, 1, 1)
+    (change,) = c.observe(row(stale=True), 7)
+    assert change.line.startswith("tether: auto: staleness plain -> resync from step 8 (")
+    assert "lowest token ESS 0.600 < 0.7" in change.line
+    assert c.evidence["auto/staleness/ess"] == pytest.approx(0.6)
+    assert c.evidence["auto/numerical/bar"] == pytest.approx(1 / N)
+
+
+# --- what each choice trains with ------------------------------------------------------------
+
+
+@pytest.mark.parametrize("estimator", ["tis", "dlc", "cis", "decoupled", "reweight", "ppo+cis"])
+def test_base_refuses_an_estimator_that_already_corrects(estimator):
+    with pytest.raises(ValueError, match="train.correction=auto"):
+        Base.of(estimator, {})
+
+
+def test_each_choice_composes_the_users_objective():
+    grpo = Base.of("grpo", {"clip_high": 0.3})
+    for numerical, correction in (("none", "none"), ("cis", "cis"), ("icepop", "icepop")):
+        e = grpo.estimator(numerical, "plain")
+        assert (e.objective.name, e.correction.name, e.centering) == ("ppo", correction, False)
+        assert e.params["clip_high"] == 0.3  # the user's parameters are kept
+    # Staleness handled: grpo's own ratio pi_theta/pi_old (clipped) weights it, centered when
+    # the batch has the top-K (dlc_clip's form).
+    assert grpo.estimator("center", "resync").spec == build_estimator("dlc_clip", clip_high=0.3).spec
+    assert grpo.estimator("cis", "resync").spec[:3] == ("ppo", "cis", False)  # no top-K: the cap
+    # naive (pg) has no ratio: stale_is stands in while staleness is handled; both is dlc.
+    naive = Base.of("naive", {})
+    assert naive.estimator("none", "plain").spec[:3] == ("pg", "none", False)
+    assert naive.estimator("none", "resync").spec[:3] == ("stale_is", "none", False)
+    assert naive.estimator("center", "resync").spec == build_estimator("dlc").spec
+    assert naive.can_center and grpo.can_center and not Base.of("vespo", {}).can_center
+
+
+def test_the_rule_on_tensors_centers_while_staleness_is_handled():
+    from tether.api import Auto
+
+    auto = Auto("grpo", batch=N, on_after=1, off_after=1)
+    assert auto.choice(has_topk=True) == ("none", "plain") and not auto.centers
+    auto.observe(row(numerical=True), 1)
+    assert auto.choice(has_topk=True) == ("cis", "plain")  # numerical alone: the cap
+    lines = auto.observe(row(stale=True), 2)  # staleness: DLC's handling, the cap turned off
+    assert [line.split(" from ")[0] for line in lines] == [
+        "tether: auto: numerical cis -> none", "tether: auto: staleness plain -> resync"]
+    assert auto.resync and auto.centers
+    assert auto.choice(has_topk=True) == ("center", "resync")
+    assert auto.choice(has_topk=False) == ("none", "resync")  # no top-K: uncentered
+    assert auto.codes(has_topk=True) == {"auto/numerical": 3.0, "auto/staleness": 1.0}
+    assert auto.estimator(has_topk=True).spec[:3] == ("ppo", "none", True)
+    vespo = Auto("vespo", batch=N, on_after=1, off_after=1)
+    vespo.observe(row(numerical=True, stale=True), 1)
+    assert not vespo.centers and vespo.choice(has_topk=True) == ("cis", "resync")  # no head weight
+
+
+def test_trainer_use_rebuilds_only_a_new_spec(random_model):
+    from tether.config import TrainConfig
+    from tether.rollout.types import SamplingParams
+
+    trainer = Trainer(random_model, TrainConfig(estimator="grpo"), SamplingParams())
+    same = trainer.estimator
+    trainer.use(build_estimator("grpo").spec)
+    assert trainer.estimator is same  # a fixed run's estimator is never rebuilt
+    trainer.use(build_estimator("dlc").spec)
+    assert trainer.estimator.spec == build_estimator("dlc").spec
+
+
+def test_switched_policy_follows_the_choice():
+    p = Switched(EveryK(1), EssTrigger(ESS_TAU))
+    assert p.spec == "every:1" and not p.measures_ess and not p.trips(0.1)
+    p.on = True
+    assert p.spec == "ess:0.5" and p.measures_ess and p.trips(0.49) and not p.trips(0.5)
+    assert p.publishes(behind=3, blocked=False, tripped=True)
+
+
+def test_config_rules():
+    cfg = load_config(None, ["train.correction=auto"])
+    assert isinstance(StalenessGate.of(cfg).policy, Switched)
+    assert not isinstance(StalenessGate.of(load_config(None, [])).policy, Switched)
+    with pytest.raises(ConfigError, match="train.estimator: train.correction=auto chooses"):
+        load_config(None, ["train.correction=auto", "train.estimator=tis"])
+    with pytest.raises(ConfigError, match="switches the ESS re-sync"):
+        load_config(None, ["train.correction=auto", "sync.policy=ess:0.5"])
+    with pytest.raises(ConfigError, match="switches the ESS re-sync"):
+        load_config(None, ["train.correction=auto", "loop.mode=async", "loop.window=ess",
+                           "sync.policy=bounded:2", "loop.max_staleness=2"])
+    with pytest.raises(ConfigError, match="train.auto_on_after"):
+        load_config(None, ["train.correction=auto", "train.auto_on_after=0"])
+    # An async auto run under the ESS window's default rule for trips it may turn on.
+    cfg = load_config(None, ["train.correction=auto", "loop.mode=async", "sync.policy=bounded:2",
+                             "loop.max_staleness=2"])
+    assert cfg.loop.after_trip == "regenerate"
+    assert load_config(None, ["loop.mode=async"]).loop.after_trip == "window"
+
+
+def test_codes_are_documented_in_order():
+    assert NUMERICAL == ("none", "cis", "icepop", "center")
+    assert math.isclose(1 / N, 0.00390625)
+
+
+def test_a_resync_hides_staleness_until_the_lag_builds_back():
+    def at(versions: float, stale: bool) -> dict[str, float]:
+        return {**row(stale=stale), "staleness/versions/batch": versions}
+
+    # Material at 8 versions behind: on. Then a re-sync: fresh batches (1-7 versions) with a
+    # high ESS are no evidence, however many; at 8 or more versions they count again.
+    rows = [at(8, True)] * 3 + [at(v, False) for v in range(1, 8)] * 2 + [at(9, False)] * OFF_AFTER
+    _, changes = drive(rows)
+    assert changes == [(3, "staleness", "plain", "resync"),
+                       (3 + 14 + OFF_AFTER, "staleness", "resync", "plain")]
+    # A fresh step breaks no streak: two stale-enough negligible steps, a fresh one, four more.
+    rows = [at(8, True)] * 3 + [at(8, False)] * 2 + [at(1, False)] + [at(8, False)] * 4
+    assert drive(rows)[1][-1] == (10, "staleness", "resync", "plain")
+    # No lag at all (k3 and the ratio at rounding): off after m steps, fresh or not.
+    gone = {**row(), "staleness/k3_kl/mean": 0.0, "staleness/ess/token": 1.0,
+            "staleness/versions/batch": 0.0}
+    assert drive([at(8, True)] * 3 + [gone] * OFF_AFTER)[1][-1] == \
+        (3 + OFF_AFTER, "staleness", "resync", "plain")
