@@ -363,7 +363,7 @@ def test_full_matrices_are_the_documented_ones():
     assert ("exact", "tis") not in auto.groups() and sum(c.method == "naive" and c.scenario == "exact"
                                                          for c in auto.cells) == 5
     switch = next(c for c in auto.cells if c.scenario == "fp8_lag32_from30" and c.method == "auto")
-    assert {"sync.lag=32", "sync.lag_from=30", "train.correction=auto", "train.estimator=naive",
+    assert {"sync.lag=32", "sync.lag_from=30", "train.correction=auto", "train.estimator=grpo",
             "sync.policy=every:1"} <= set(switch.overrides)
     race = next(c for c in auto.cells if c.scenario == "fp8_async32" and c.method == "dlc")
     assert {"loop.window=ess", "loop.after_trip=regenerate", "sync.policy=ess:0.5"} <= set(race.overrides)
