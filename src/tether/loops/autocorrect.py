@@ -19,6 +19,7 @@ import sys
 from dataclasses import replace
 from typing import Any
 
+from tether.advice import batch_of
 from tether.api import Auto
 from tether.config import centering_topk
 from tether.loops.scheduler import Scheduler
@@ -34,17 +35,16 @@ class Correction:
 
     @classmethod
     def of(cls, run: Run, gate: StalenessGate, scheduler: Scheduler | None = None) -> Correction:
-        t, r = run.cfg.train, run.cfg.rollout
+        t = run.cfg.train
         if t.correction != "auto":
             return cls(run, None, gate, scheduler)
-        rule = Auto(t.estimator, batch=max(1, r.prompts_per_step * r.group_size // t.minibatches),
-                    on_after=t.auto_on_after, off_after=t.auto_off_after, **t.estimator_params)
+        rule = Auto(t.estimator, batch=batch_of(run.cfg.model_dump()), on_after=t.auto_on_after,
+                    off_after=t.auto_off_after, **t.estimator_params)
         return cls(run, rule, gate, scheduler)
 
     def __init__(self, run: Run, rule: Auto | None, gate: StalenessGate,
                  scheduler: Scheduler | None):
         self.run, self.rule, self.scheduler = run, rule, scheduler
-        self.auto = rule is not None
         if rule is None:
             return
         assert isinstance(gate.policy, Switched)
@@ -57,6 +57,11 @@ class Correction:
         self.used, self.batch_topk = rule.codes(), 0  # what trained the last batch
         self.said: set[str] = set()
         self._apply()
+
+    @property
+    def auto(self) -> bool:
+        """train.correction=auto (else every method leaves the run as configured)."""
+        return self.rule is not None
 
     def sampling(self, base: SamplingParams) -> SamplingParams:
         """How the generator samples the next batch: with the top-K only while centering."""
