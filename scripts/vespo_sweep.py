@@ -17,6 +17,7 @@ with the claims' verdicts. Hours of CPU on 2 cores: a command, never a test.
 """
 
 import argparse
+from contextlib import nullcontext
 from dataclasses import replace
 
 from tether.errors import InputError
@@ -51,16 +52,11 @@ def main(args: argparse.Namespace) -> None:
             print(c.name, " ".join(c.overrides))
         print(f"{len(exp.cells)} cells; base: {' '.join(exp.base)}")
         return
-    model = None
-    if args.record:
-        print(f"restored {len(record.restore(args.record, args.out))} recorded cells")
-        model = record.start_model(args.record)  # the record's own start, on every machine
-    try:
+    # The record's own start, on every machine; a stopped run still records the cells it
+    # finished (without their probe log-probs, which the summary caches).
+    with record.kept(args.record, args.out) if args.record else nullcontext(None) as model:
         print(run_experiment(exp, args.out, model_path=model))
-        analysis.summarize(args.out, extend=vespo.extend)  # caches each cell's probe log-probs
-    finally:  # a stopped run still records the cells it finished (without their probe)
-        if args.record:
-            print(f"recorded {len(record.save(args.out, args.record))} cells in {args.record}")
+        analysis.summarize(args.out, extend=vespo.extend)
 
 
 if __name__ == "__main__":  # the runner spawns a process per cell, which imports this file

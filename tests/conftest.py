@@ -24,6 +24,7 @@ TEST_WARMSTART_STEPS = 120
 # `.ci/run` runs both tiers in full. docs/testing.md lists each tier's cost.
 SLOW = {
     "test_experiments.py": "quick experiment matrices (dlc, cis, vespo, auto), resumed and reported",
+    "test_records.py": "every committed record (results/) restored and summarised: tens of seconds",
     "test_auto_run.py": "train.correction=auto runs in subprocesses: switches, SIGTERM, resume",
     "test_faults.py": "killed experiments, full disks, concurrent model builds",
     "test_ray.py": "a real local Ray: actors placed, killed, replaced",

@@ -36,7 +36,7 @@ def moe_model_dir():
 
 
 @pytest.mark.parametrize("name", ["dlc", "cis", "vespo", "auto"])
-def test_quick_experiment_tables_resume_and_report(name, tmp_path, warm_model_dir, moe_model_dir):
+def test_quick_experiment_tables_resume_and_report(name, tmp_path, warm_model_dir, moe_model_dir, monkeypatch):
     out = tmp_path / name
     model = moe_model_dir if name == "cis" else warm_model_dir
     args = ["experiment", name, "--quick", "--out", str(out), "--model", str(model)]
@@ -155,6 +155,17 @@ def test_quick_experiment_tables_resume_and_report(name, tmp_path, warm_model_di
     assert json.loads((fresh / "timing.json").read_text())[-1]["cells_run"] == 0
     assert json.loads((fresh / "experiment.json").read_text())["notes"] == meta["notes"] + ["X: an earlier slice's group"]
     assert record.restore(tmp_path / "record", fresh) == []  # nothing it lacks
+    if name == "dlc":  # the command's --record and `tether report RECORD`: the same tables
+        rec, again = tmp_path / "record", tmp_path / "again"
+        assert main(args[:4] + [str(again), "--record", str(rec)]) == 0  # restores, runs none
+        assert json.loads((again / "timing.json").read_text())[-1]["cells_run"] == 0
+        tables = (rec / record.TABLES).read_text()
+        assert "seeds to decide" in tables and tables.strip() in (out / "report" / "summary.md").read_text()
+        (rec / record.TABLES).unlink()
+        monkeypatch.chdir(tmp_path)  # the report unpacks a record into ./runs/records/<name>
+        assert main(["report", str(rec)]) == 0
+        assert (rec / record.TABLES).read_text() == tables
+        assert (tmp_path / "runs" / "records" / "record" / "report" / "index.html").is_file()
 
     # A cell stopped mid-run (no done.json) is left out of the tables, and named.
     last = exp.cells[-1]
@@ -194,7 +205,7 @@ def summary_of(out) -> dict:
 
 def _summary(groups: dict[tuple[str, str], list[float]], ref=("exact", "naive")) -> dict:
     """A summary holding only what the contrasts read: per-cell last-3 headlines and re-syncs."""
-    cells = {f"{s}__{m}__s{i}": {"scenario": s, "method": m, "last3_trainer": v, "resyncs": i,
+    cells = {f"{s}__{m}__s{i}": {"scenario": s, "method": m, "seed": i, "last3_trainer": v, "resyncs": i,
                                  "is_adv_second_moment": 6.0 + i, "corr_adv_second_moment": 1.0}
              for (s, m), vals in groups.items() for i, v in enumerate(vals)}
     sigma = float(np.std(groups[ref], ddof=1))
@@ -210,41 +221,81 @@ def test_contrasts_and_verdicts_read_the_interval():
                   ("lag32", "dlc"): [0.30, 0.31, 0.29], ("lag32", "dlc_schedule"): [0.10, 0.11, 0.09],
                   ("lag32", "stale_is_ess"): [0.28, 0.33, 0.29]})
     c = verdicts.contrast(s, "lag32", "dlc", "dlc_schedule")
-    # Every resample of a lies in [0.29, 0.31] and of b in [0.09, 0.11]: a - b in [0.18, 0.22].
-    assert c["difference"] == pytest.approx(0.2) and 0.18 <= c["difference_lo"] < c["difference_hi"] <= 0.22
+    # Paired by seed, every difference is exactly 0.2: so is every resample's mean.
+    assert c["difference"] == pytest.approx(0.2)
+    assert c["difference_lo"] == pytest.approx(0.2) and c["difference_hi"] == pytest.approx(0.2)
     assert c["difference_sigma"] == pytest.approx(0.2 / np.std([0.2, 0.21, 0.19, 0.2, 0.2], ddof=1))
-    assert c["verdict"] == "dlc higher"
-    assert verdicts.contrast(s, "lag32", "dlc", "stale_is_ess")["verdict"] == "not resolved at 3 seeds"
+    assert c["verdict"] == "dlc higher" and c["seeds_run"] == 3 and c["sd_paired"] == pytest.approx(0)
+    # dlc - stale_is_ess per seed: 0.02, -0.02, 0: mean 0, sd 0.02. To be +-0.01 wide the
+    # interval needs ceil((1.96 * 0.02 / 0.01)^2) = 16 seeds; at a mean of 0, none decide.
+    c = verdicts.contrast(s, "lag32", "dlc", "stale_is_ess")
+    assert c["sd_paired"] == pytest.approx(0.02) and c["needs_half"] == 16 and c["needs_zero"] is None
+    assert c["verdict"] == "not resolved at 3 seeds"
     assert verdicts.contrast(s, "lag32", "dlc", "reweight") is None
     rows = get("dlc").contrasts(s)  # only the pairs whose both groups ran
     assert [(r["a"], r["b"]) for r in rows] == [("dlc", "dlc_schedule"), ("dlc", "stale_is_ess")]
     assert rows[0]["resyncs"] == "1.0 vs 1.0"
 
 
+def test_paired_bootstrap_cancels_the_seed_and_sizes_the_seeds():
+    # Seed effects of +-0.05 shared by both groups: unpaired, the interval of a - b straddles
+    # 0; paired it is the constant 0.01 the method adds, and a seed only one group finished is
+    # left out of the pairs.
+    seed_effect = [0.05, -0.05, 0.03, -0.03, 0.0]
+    s = _summary({("exact", "naive"): [0.2 + e for e in seed_effect],
+                  ("lag32", "dlc"): [0.21 + e for e in seed_effect],
+                  ("lag32", "dlc_schedule"): [0.2 + e for e in seed_effect[:4]]})
+    x, y = verdicts.paired(s, ("lag32", "dlc"), ("lag32", "dlc_schedule"))
+    assert len(x) == 4 and np.allclose(x - y, 0.01)
+    lo, hi = analysis.bootstrap_ci(list(x), list(y), lambda a, b: a.mean(-1) - b.mean(-1))
+    assert lo < 0 < hi
+    assert verdicts.contrast(s, "lag32", "dlc", "dlc_schedule")["verdict"] == "dlc higher"
+    assert verdicts.seeds_needed(0.02, 0.01) == 16 and verdicts.seeds_needed(0.02, 0.04) == 2
+    assert verdicts.seeds_needed(float("nan"), 0.01) is None and verdicts.seeds_needed(0.02, 0.0) is None
+
+
+def _drift_summary(ref: list[float], groups: dict[str, list[float]]) -> dict:
+    """A lag32 summary for the claims: the reference's and each method's last-3 per seed."""
+    s = _summary({("exact", "naive"): ref, **{("lag32", m): v for m, v in groups.items()}})
+    s["reference_last3"] = float(np.mean(ref))
+    s["groups"] = [{"scenario": "lag32", "method": m, "collapsed_trainer": 0,
+                    "ess_below_0.5_per_seed": [5] * len(v), "leaves_band_per_seed": [None] * len(v)}
+                   for m, v in groups.items()]
+    return s
+
+
 def test_dlc_claims_verdicts_from_their_bars():
-    def group(method, dev, ratio, ess, leaves, scen="lag32"):
-        return {"scenario": scen, "method": method, "last3_dev_sigma": sum(dev) / 2, "last3_dev_sigma_lo": dev[0],
-                "last3_dev_sigma_hi": dev[1], "last3_ratio": sum(ratio) / 2, "last3_ratio_lo": ratio[0],
-                "last3_ratio_hi": ratio[1], "ess_below_0.5_per_seed": ess, "leaves_band_per_seed": leaves,
-                "collapsed_trainer": 0}
-    rows = get("dlc").claims({"groups": [
-        group("reweight_uncapped", (12, 15), (0.2, 0.3), [5, 5, 6], [20, 25, 5]),
-        group("reweight", (3, 5), (0.7, 0.8), [5, 5, 5], [None, None, None]),
-        group("dlc", (0.1, 1.5), (0.9, 1.0), [5, 6, 7], [None, None, None]),
-        group("dlc", (0.5, 2.5), (0.8, 1.0), [5, 6, 7], [None, None, None], scen="fp8_lag32"),
-        group("naive", (8, 9), (0.4, 0.5), [5, 5, 5], [20, 25, 30], scen="exact")]})
+    ref = [0.20, 0.21, 0.19, 0.20, 0.20]  # sigma 0.0071: zero accuracy is 28 sigma off
+    rows = get("dlc").claims(_drift_summary(ref, {
+        "reweight_uncapped": [0.10, 0.11, 0.09, 0.10, 0.10],  # 14 sigma off, 0.5x
+        "reweight": [0.18, 0.20, 0.17, 0.18, 0.19],  # 2.5 sigma off, 0.92x
+        "dlc": [0.20, 0.21, 0.19, 0.20, 0.20]}))  # the reference itself
     got = {(r["claim"], r["group"]): r["verdict"] for r in rows}
     assert got == {("plain reweighting drifts far", "lag32 x reweight_uncapped"): "met",
-                   ("ESS < 0.5 marks the onset", "lag32 x reweight_uncapped"): "not met",  # 2 of 3
+                   ("plain reweighting leaves the path dlc must hold", "lag32 x reweight_uncapped"): "met",
                    ("plain reweighting drifts far", "lag32 x reweight"): "not met",
-                   ("dlc stays near on-policy", "lag32 x dlc"): "met",
-                   ("dlc stays near on-policy", "fp8_lag32 x dlc"): "unresolved"}
+                   ("plain reweighting leaves the path dlc must hold", "lag32 x reweight"): "not met",
+                   ("dlc stays near on-policy", "lag32 x dlc"): "met"}
+    # A testbed whose reference is 2 sigma above zero: no drift can reach 10 sigma, a bound.
+    wide = [0.1, 0.3, 0.05, 0.25, 0.3]
+    rows = get("dlc").claims(_drift_summary(wide, {"reweight": [0.0, 0.1, 0.0, 0.1, 0.1],
+                                                   "dlc": [0.09, 0.31, 0.03, 0.2, 0.2]}))
+    got = {r["claim"]: r for r in rows}
+    ceiling = np.mean(wide) / np.std(wide, ddof=1)
+    assert got["plain reweighting drifts far"]["verdict"] == (
+        f"bound: unreachable on this testbed (zero accuracy is {ceiling:.1f} σ)")
+    assert got["plain reweighting leaves the path dlc must hold"]["verdict"] == "met"
+    # dlc - 0.85 x reference per seed spreads wide around its mean: unresolved, with the seeds it needs.
+    d = np.array([0.09, 0.31, 0.03, 0.2, 0.2]) - 0.85 * np.array(wide)
+    needs = verdicts.seeds_needed(float(np.std(d, ddof=1)), abs(float(d.mean())))
+    assert got["dlc stays near on-policy"]["verdict"] == f"not resolved at 5 seeds (needs ~{needs})"
 
 
 def test_cis_accuracy_and_second_moment_verdicts():
     s = _summary(ref=("exact", "none"), groups={("exact", "none"): [0.20, 0.21, 0.19, 0.20, 0.20],
                   ("inj", "tis"): [0.20, 0.21, 0.19], ("inj", "cis"): [0.10, 0.11, 0.09],
-                  ("inj", "none"): [0.20, 0.20, 0.21]})
+                  ("inj", "none"): [0.20, 0.20, 0.21],
+                  ("inj_tail", "tis"): [0.20, 0.21, 0.19], ("inj_tail", "cis"): [0.20, 0.19, 0.19]})
     s["groups"] = [{"scenario": sc, "method": m, "is_adv_second_moment": 7.0, "corr_adv_second_moment": 1.0}
                    for sc, m in (("exact", "none"), ("inj", "tis"), ("inj", "cis"), ("inj", "none"))]
     # TIS's curve: (E[w^2], |bias|) = (1.0, 0.02), (1.1, 0.01), (1.3, 0.0); at E[w^2] = 1.05 it
@@ -256,8 +307,14 @@ def test_cis_accuracy_and_second_moment_verdicts():
     accuracy, moments, fronts = (rows for _, rows, _ in get("cis").tables(s))
     assert [(f["scenario"], f["tis_bias"], f["verdict"]) for f in fronts] == [
         ("inj", pytest.approx(0.015), "below TIS's frontier"), ("inj_tail", pytest.approx(0.015), "on or above it")]
-    acc = {(r["a"], r["b"]): r for r in accuracy}
+    acc = {(r["a"], r["b"]): r for r in accuracy if r["scenario"] == "inj"}
     assert acc[("cis", "tis")]["verdict"] == "not met"  # 0.1 below tis: about 14 sigma
+    # On inj_tail cis - tis is 0, -0.02, 0 per seed: the interval [-0.02, 0] holds the bar's
+    # -sigma (-0.0071), which a mean of -0.0067 clears by 0.0004: thousands of seeds to decide.
+    (tail,) = [r for r in accuracy if r["scenario"] == "inj_tail"]
+    sigma = np.std([0.20, 0.21, 0.19, 0.20, 0.20], ddof=1)
+    needs = verdicts.seeds_needed(np.std([0, -0.02, 0], ddof=1), abs(-0.02 / 3 + sigma))
+    assert needs > 1000 and tail["verdict"] == f"not resolved at 3 seeds (needs ~{needs})"
     assert acc[("cis", "none")]["bar"].startswith("none") and ("tis", "none") in acc
     # every run's raw >= 5 (6, 7, 8) and the applied 1.0 <= 1.5; the uncorrected row has no bar
     assert [(m["group"], m["reach"], m["verdict"]) for m in moments] == [
@@ -500,8 +557,9 @@ def test_vespo_ablation_row_reads_each_variant_against_vespo():
 
     apart = verdict([0.05, 0.06, 0.04], [0.25, 0.26, 0.25])  # below vespo, and above it
     assert apart["verdict"] == "met" and apart["scenario"] == "N64"
-    assert apart["value"].startswith("vespo − vespo_flat +0.153 [+0.14")
-    assert "; vespo − vespo_narrow -0.050 [" in apart["value"]
+    # Paired by seed: vespo - flat is 0.15, 0.15, 0.16 per seed, vespo - narrow -0.05 in each.
+    assert apart["value"].startswith("vespo − vespo_flat +0.153 [+0.150, +0.160]")
+    assert "; vespo − vespo_narrow -0.050 [-0.050, -0.050]" in apart["value"]
     assert verdict([0.05, 0.06, 0.04], [0.20, 0.21, 0.20])["verdict"] == "in part"
     assert verdict([0.201, 0.205, 0.203], [0.20, 0.21, 0.20])["verdict"] == "not met"  # within +-0.01
     assert verdict([0.10, 0.30, 0.20], [0.20, 0.21, 0.20])["verdict"] == "unresolved"

@@ -215,13 +215,17 @@ worker processes (one torch thread each). Rerunning the same command skips finis
 and resumes interrupted ones. Ctrl-C or SIGTERM ends every running cell with the processes
 it started (exit 130/143); a cell whose parent was killed ends itself within a second.
 Writes OUT/summary.csv (one row per scenario x method), OUT/cells.csv, OUT/summary.json;
-`tether report OUT` builds the HTML page and plots.
+`tether report OUT` builds the HTML page and plots. More seeds for a question: --seeds N
+with --only its groups (cells run seed by seed, so contrasts stay paired), and --record
+results/NAME to keep them in a committed record that later runs extend.
 Definitions of every number: docs/experiments.md."""
 
 REPORT_HELP = """\
 Build the report of an experiment directory written by `tether experiment`: PNG figures,
 a self-contained HTML page (figures embedded) and a markdown summary with the tables, all
-in DIR/report/ (index.html, summary.md, *.png)."""
+in DIR/report/ (index.html, summary.md, *.png). DIR may be a committed record (`tether
+experiment --record`, e.g. results/dlc-power): it is restored into runs/records/<its name>
+first, and the report is written there."""
 
 
 def _stop_experiment(signum: int, frame: object) -> None:
@@ -238,7 +242,7 @@ def _cmd_experiment(args: argparse.Namespace) -> int:
     previous = {s: signal.signal(s, _stop_experiment) for s in (signal.SIGINT, signal.SIGTERM)}
     try:  # the runner ends its cells on the way out (tether.experiments.runner)
         run(args.name, args.out, quick=args.quick, seeds=args.seeds, workers=args.workers,
-            model_path=args.model, only=only or None, overrides=args.set)
+            model_path=args.model, only=only or None, overrides=args.set, keep=args.record)
     finally:
         for signum, handler in previous.items():
             signal.signal(signum, handler)
@@ -246,9 +250,15 @@ def _cmd_experiment(args: argparse.Namespace) -> int:
 
 
 def _cmd_report(args: argparse.Namespace) -> int:
+    from tether.experiments import record, record_tables
     from tether.report import build_report
 
-    html_path, md_path, figures = build_report(args.dir)
+    out = args.dir
+    if record.is_record(out):  # a committed record: its cells unpacked where a report can live
+        out = record.unpacked(out)
+        record_tables(args.dir, out)
+        print(f"record {args.dir} restored into {out}; its tables rewritten: {args.dir}/{record.TABLES}")
+    html_path, md_path, figures = build_report(out)
     print(f"report: {html_path}")
     print(f"summary: {md_path}")
     for path in figures:
@@ -347,6 +357,11 @@ def build_parser() -> argparse.ArgumentParser:
                    "(the on-policy reference group is always included); it may name groups cut "
                    "from the default matrix, e.g. lag32:dlc_clip. Into an existing --out, the "
                    "slice adds to what is there.")
+    p.add_argument("--record", metavar="DIR",
+                   help="A committed record of finished cells (e.g. results/dlc-power): restored "
+                   "into --out first, so only the cells it lacks run, from the record's own "
+                   "starting model; the cells finished here are added to it after, also when "
+                   "stopped. `tether report DIR` reads it directly.")
     p.add_argument("--set", nargs="+", default=[], metavar="KEY=VALUE",
                    help="Change the settings every cell shares, e.g. --set train.lr=2e-4 "
                    "train.steps=60 (as `tether train` overrides; each cell's scenario and method "
@@ -356,7 +371,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("report", help="Build figures, an HTML page and a markdown summary of an "
                        "experiment directory.", description=REPORT_HELP,
                        formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("dir", metavar="DIR", help="A directory written by `tether experiment`.")
+    p.add_argument("dir", metavar="DIR", help="A directory written by `tether experiment`, or a "
+                   "committed record of one (results/...).")
     p.set_defaults(func=_cmd_report)
     return parser
 

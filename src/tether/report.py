@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 
 from tether.errors import InputError
-from tether.experiments import analysis, get
+from tether.experiments import analysis, get, tables_markdown
 from tether.experiments.cis import measured_generators
 from tether.models import quiet_transformers
 
@@ -391,10 +391,7 @@ def build_report(out: str | Path, command: str | None = None) -> tuple[Path, Pat
     md += [f"Settings (every cell): `{' '.join(meta['base'])}`", "",
            *[f"- {n}" for n in meta["notes"]], "", ref_line, "",
            f"Runs: {run_line or 'none recorded'}. Failed cells: {len(failed)}.", "",
-           analysis.markdown_table(groups, module.COLUMNS), ""]
-    extra = module.tables(summary) if hasattr(module, "tables") else []  # claims, controls
-    for title, rows, columns in extra:
-        md += [title, "", analysis.markdown_table(rows, columns), ""]
+           tables_markdown(module, summary)]
     tb = summary.get("truncation_bias")
     for g in measured_generators(tb):
         caption = (f"Truncation bias by confidence bin (starting model, generator "
@@ -419,7 +416,7 @@ def build_report(out: str | Path, command: str | None = None) -> tuple[Path, Pat
               f"<p>{html.escape(ref_line)}</p>",
               f"<p>Runs: {html.escape(run_line or 'none recorded')}. Failed cells: {len(failed)}.</p>",
               _html_table(groups, module.COLUMNS)]
-    for title, rows, columns in extra:
+    for title, rows, columns in module.tables(summary) if hasattr(module, "tables") else []:
         parts += [f"<p>{html.escape(title)}</p>", _html_table(rows, columns)]
     for g in measured_generators(tb):
         caption = (f"Truncation bias by confidence bin (generator {html.escape(g.get('generator', ''))}; "

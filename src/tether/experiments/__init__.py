@@ -1,6 +1,7 @@
 """The papers' experiments on the embedded testbed (DESIGN.md section 7): one command each.
 
-    tether experiment dlc|cis|vespo|auto [--quick] [--out DIR] [--seeds N] [--workers N] [--set K=V ...]
+    tether experiment dlc|cis|vespo|auto [--quick] [--out DIR] [--seeds N] [--workers N]
+                                         [--record DIR] [--set K=V ...]
     tether report DIR
 
 `run(name, ...)` builds the matrix (`<name>.build`), runs the cells not yet done
@@ -10,10 +11,11 @@ OUT/cells.csv, OUT/summary.json). docs/experiments.md defines every number.
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from pathlib import Path
 
 from tether.errors import InputError
-from tether.experiments import analysis, auto, cis, dlc, vespo
+from tether.experiments import analysis, auto, cis, dlc, record, vespo
 from tether.experiments.runner import Cell, Experiment, run_experiment
 
 EXPERIMENTS = {"dlc": dlc, "cis": cis, "vespo": vespo, "auto": auto}
@@ -38,9 +40,34 @@ def select(exp: Experiment, only: list[str]) -> list[Cell]:
     return [c for c in pool if (c.scenario, c.method) in keep]
 
 
+def tables_markdown(module, summary: dict) -> str:
+    """The groups' table and the experiment's own (claims, controls), as `tether report` and a
+    record's `tables.md` print them."""
+    md = [analysis.markdown_table(summary["groups"], module.COLUMNS), ""]
+    for title, rows, columns in (module.tables(summary) if hasattr(module, "tables") else []):
+        md += [title, "", analysis.markdown_table(rows, columns), ""]
+    return "\n".join(md)
+
+
+def summary_tables(out: str | Path) -> tuple[dict, str]:
+    """An experiment directory's summary (`analysis.summarize`, its module's `extend` applied)
+    and its tables (`tables_markdown`)."""
+    module = get(analysis.load_meta(Path(out))["name"])
+    summary = analysis.summarize(Path(out), extend=getattr(module, "extend", None))
+    return summary, tables_markdown(module, summary)
+
+
+def record_tables(dest: str | Path, out: str | Path) -> dict:
+    """Summarise `out` (the record `dest` restored, with any cells added) and write its tables
+    to `dest`/tables.md, which tests/test_records.py regenerates from the record alone."""
+    summary, md = summary_tables(out)
+    (Path(dest) / record.TABLES).write_text(md)
+    return summary
+
+
 def run(name: str, out: str | Path | None = None, quick: bool = False, seeds: int | None = None,
         workers: int = 2, model_path: str | None = None, only: list[str] | None = None,
-        overrides: list[str] | None = None, log=print) -> dict:
+        overrides: list[str] | None = None, keep: str | Path | None = None, log=print) -> dict:
     """Run (or resume) experiment `name` into `out` and summarise it; returns the summary.
 
     `only`: keep just these groups, each "scenario:method" (e.g. a reduced slice, or groups
@@ -48,6 +75,8 @@ def run(name: str, out: str | Path | None = None, quick: bool = False, seeds: in
     deviation is measured against it.
     `overrides`: `key=value` settings appended to the shared base (checked here, so a bad
     key fails before any cell runs); each cell's own keys still apply after them.
+    `keep`: a committed record (`record.kept`): restored into `out` first, so only the cells
+    it lacks run, from its starting model; `out`'s finished cells recorded in it after.
     """
     from tether.config import load_config
 
@@ -59,8 +88,14 @@ def run(name: str, out: str | Path | None = None, quick: bool = False, seeds: in
     if only:
         exp.cells = select(exp, only)
     out = Path(out or f"runs/experiments/{name}{'-quick' if quick else ''}")
-    timing = run_experiment(exp, out, workers=workers, model_path=model_path, log=log)
-    summary = analysis.summarize(out, extend=getattr(module, "extend", None))
+    with record.kept(keep, out, log) if keep else nullcontext(None) as recorded:
+        if recorded and model_path and Path(model_path).resolve() != Path(recorded):
+            raise InputError(f"--model {model_path}: the record {keep} starts from its own model "
+                             f"({recorded}); leave --model out")
+        timing = run_experiment(exp, out, workers=workers, model_path=recorded or model_path, log=log)
+        # Inside the record's span: the summary caches the probe log-probs the record keeps.
+        summary = (record_tables(keep, out) if keep
+                   else analysis.summarize(out, extend=getattr(module, "extend", None)))
     summary["timing"] = timing
     log(f"{name}: {timing['cells_run']} cell(s) run in {timing['wall_seconds']:.0f} s, "
         f"{timing['cells_failed']} failed; tables in {out}/summary.csv; "
@@ -68,4 +103,5 @@ def run(name: str, out: str | Path | None = None, quick: bool = False, seeds: in
     return summary
 
 
-__all__ = ["EXPERIMENTS", "Cell", "Experiment", "get", "run", "run_experiment", "select"]
+__all__ = ["EXPERIMENTS", "Cell", "Experiment", "get", "record_tables", "run", "run_experiment", "select",
+           "summary_tables", "tables_markdown"]

@@ -39,6 +39,9 @@ Definitions (also in docs/experiments.md):
   policy against the generator, on the generator's samples) and of `monitor/k3_kl/mean`
   (the same pair on the trained policy's own samples, every `diagnostics.monitor_every`
   steps). DLC says a drift can be invisible on old prefixes and plain on the model's own.
+- samples/s and trained per generated (the async loop only):
+  `async/samples_per_s` (responses trained per second) and `async/trained_per_generated`,
+  each its last value, which covers the whole run (docs/metrics.md).
 - wall seconds: the cell's `done.json` seconds (the whole `train` call, evaluations included).
 """
 
@@ -164,6 +167,8 @@ def cell_stats(rows: list[dict]) -> dict[str, float | int | str | None]:
         "step_seconds": _mean(rows, "time/step"),
         "mean_staleness": float(stale.mean()) if len(stale) else float("nan"),
         "max_staleness": float(stale_max.max()) if len(stale_max) else float("nan"),
+        "samples_per_s": _last(rows, "async/samples_per_s"),  # cumulative: the whole run's
+        "trained_per_generated": _last(rows, "async/trained_per_generated"),
     }
 
 
@@ -336,7 +341,8 @@ def summarize(out: Path, probe_tokens: int = 16,
                     "resyncs", "is_second_moment", "is_adv_second_moment",
                     "corr_second_moment", "corr_adv_second_moment", "numerical_k3",
                     "staleness_k3", "total_k3", "monitor_k3", "step_seconds", "probe_kl_to_ref", "best_reward_smoothed",
-                    "mean_staleness", "max_staleness", "wall_seconds", "best_trainer",
+                    "mean_staleness", "max_staleness", "samples_per_s", "trained_per_generated",
+                    "wall_seconds", "best_trainer",
                     "lowest_trainer", "last3_trainer"):
             g[key], g[key + "_std"] = _mean_std([m[key] for m in members])
         steps = [m["ess_below_0.5_step"] for m in members]

@@ -151,6 +151,10 @@ def tables(summary: dict) -> list[tuple[str, list[dict], list[tuple[str, str]]]]
             row["bar"] = f"a ≥ b − {ACCURACY_SIGMA:g} σ"
             row["verdict"] = verdicts.interval_verdict(row["difference_lo"], row["difference_hi"],
                                                        lambda d: d >= -ACCURACY_SIGMA * sigma)
+            if row["verdict"] == "unresolved":  # the seeds at which the interval clears -sigma
+                row["needs_zero"] = verdicts.seeds_needed(row["sd_paired"],
+                                                          abs(row["difference"] + ACCURACY_SIGMA * sigma))
+                row["verdict"] = verdicts.unresolved(row["seeds_run"], row["needs_zero"])
         else:
             row["bar"] = "none (the paper's gains are below seed noise)"
         rows.append(row)
@@ -167,9 +171,12 @@ def tables(summary: dict) -> list[tuple[str, list[dict], list[tuple[str, str]]]]
                                     and g["corr_adv_second_moment"] <= APPLIED_BAR else "not met")})
     fronts = [frontier_verdict(g) for g in measured_generators(summary.get("truncation_bias"))
               if g.get("frontier")]
-    return [("Accuracy, a − b of the last-3 trainer-side means with its 95% interval over seeds:", rows,
+    return [(("Accuracy, a − b of the last-3 trainer-side means, paired by seed, with its 95% interval "
+              "over seeds; seeds to decide: at the effect observed, against the bar where it has one:"), rows,
              [("scenario", "generator"), ("a", "a"), ("b", "b"), ("difference", "a − b [95%]"),
-              ("difference_sigma", "a − b (σ)"), ("bar", "bar"), ("verdict", "verdict")]),
+              ("difference_sigma", "a − b (σ)"), ("bar", "bar"), ("seeds_run", "seeds (paired)"),
+              ("sd_paired", "paired σ"), ("needs_zero", "seeds to decide"), ("needs_half", "seeds to ±0.01"),
+              ("verdict", "verdict")]),
             ((f"Second moment E[ρ²A²]/E[A²] per group (bar: raw ≥ {RAW_BAR:g} in every run, applied "
               f"≤ {APPLIED_BAR:g}):"), moments,
              [("group", "group"), ("raw", "raw (mean)"), ("raw_runs", "raw per run"),

@@ -15,6 +15,10 @@ start rebuilt on another machine is not bit-identical (its step-0 sampled accura
 shared draws was 0.182 on one, 0.198 on another), and cells from two starts are two
 testbeds. `start_model(DEST)` gives it to the runner, so every machine trains from the same
 weights.
+
+`kept(DEST, OUT)` wraps a run: it restores first, gives the recorded starting model, and
+records what finished on every way out (a stopped run keeps its finished cells), so
+resuming a half-finished record on any machine runs only the cells it lacks.
 """
 
 from __future__ import annotations
@@ -22,11 +26,15 @@ from __future__ import annotations
 import gzip
 import json
 import shutil
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 KEPT = ("done.json", "probe_logp.pt")
 MODEL = "model"
 PROBE = "probe.pt"  # analysis.make_probe's cache: the responses every cell's probe log-probs score
+TABLES = "tables.md"  # the tables `tether report` prints, regenerated from the record by a test
+TIMING = "timing.json"  # every run's line (cells, seconds, workers), from every machine
 
 
 def start_model(dest: str | Path) -> str | None:
@@ -57,6 +65,10 @@ def save(out: str | Path, dest: str | Path) -> list[str]:
                      + list(done.values()))
     meta["model_path"] = MODEL  # relative to the record: `restore` resolves it on each machine
     recorded.write_text(json.dumps(meta, indent=1))
+    if (out / TIMING).is_file():  # the runs' lines accrue; a restored run carries the earlier ones
+        runs = json.loads((dest / TIMING).read_text()) if (dest / TIMING).is_file() else []
+        runs += [t for t in json.loads((out / TIMING).read_text()) if t not in runs]
+        (dest / TIMING).write_text(json.dumps(runs, indent=1))
     return names
 
 
@@ -101,6 +113,32 @@ def restore(dest: str | Path, out: str | Path) -> list[str]:
         names.append(c["name"])
     out.mkdir(parents=True, exist_ok=True)
     meta_path.write_text(json.dumps(meta, indent=1))
-    if (dest / PROBE).is_file() and not (out / PROBE).is_file():
-        shutil.copyfile(dest / PROBE, out / PROBE)
+    for kept_once in (PROBE, TIMING):
+        if (dest / kept_once).is_file() and not (out / kept_once).is_file():
+            shutil.copyfile(dest / kept_once, out / kept_once)
     return names
+
+
+@contextmanager
+def kept(dest: str | Path, out: str | Path, log: Callable[[str], None] = print) -> Iterator[str | None]:
+    """Restore `dest`'s cells into `out`, yield the recorded starting model (None before the
+    first record: the run's own start is then recorded), and record `out`'s finished cells in
+    `dest` on the way out, also when the run stops or fails."""
+    log(f"restored {len(restore(dest, out))} recorded cells from {dest}")
+    try:
+        yield start_model(dest)
+    finally:
+        log(f"recorded {len(save(out, dest))} cells in {dest}")
+
+
+def is_record(d: str | Path) -> bool:
+    """Whether `d` is a record (packed metrics, its starting model) rather than a run's directory."""
+    return start_model(d) is not None and (Path(d) / "experiment.json").is_file()
+
+
+def unpacked(dest: str | Path, root: str | Path = "runs/records") -> Path:
+    """The record restored into ROOT/<its name> (cells it already holds kept): a directory
+    `tether report` and `analysis.summarize` read like any run's."""
+    out = Path(root) / Path(dest).resolve().name
+    restore(dest, out)
+    return out

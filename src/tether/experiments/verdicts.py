@@ -1,6 +1,18 @@
 """Verdicts read from intervals (issue 29): a bar is met only when its whole 95% bootstrap
 interval over seeds passes it, and two groups differ only when the interval of their
-difference excludes 0. The experiments' claims and controls tables are built from these."""
+difference excludes 0. The experiments' claims and controls tables are built from these.
+
+Contrasts are paired (issue 73): a method's cell at seed s shares with every other cell at
+seed s the run seed (so the prompt order and the sampling streams) and, through
+`eval.seed`, the evaluation draws. A contrast therefore keeps the seeds both groups
+finished and bootstraps the seeds jointly, so the spread that is common to both runs of a
+seed cancels. The asynchronous race is paired in those too, but not in its timing, which
+the machine decides. The power of a contrast is read from the same pairs: with per-seed
+differences of sample standard deviation sd, a 95% interval on their mean is about
++-Z sd / sqrt(n) wide (normal approximation), so `seeds_needed(sd, h)` = ceil((Z sd / h)^2)
+seeds bring it to +-h: h = |effect| to exclude 0 at the effect observed, h = HALF_WIDTH to
+resolve the smallest effect worth reporting here.
+"""
 
 from __future__ import annotations
 
@@ -9,7 +21,10 @@ from collections.abc import Callable
 
 import numpy as np
 
-from tether.experiments.analysis import bootstrap_ci
+from tether.experiments.analysis import CI_DRAWS, CI_LEVEL
+
+Z = 1.959964  # the normal quantile of CI_LEVEL, two-sided
+HALF_WIDTH = 0.01  # accuracy: the smallest effect worth reporting on this testbed (issue 73)
 
 
 def interval_verdict(lo: float, hi: float, holds: Callable[[float], bool]) -> str:
@@ -42,16 +57,68 @@ def seed_values(summary: dict, scenario: str, method: str, key: str) -> list:
     return [summary["cells"][n][key] for n in seed_names(summary, scenario, method)]
 
 
-def contrast(summary: dict, scenario: str, a: str, b: str, key: str = "last3_trainer") -> dict | None:
-    """Methods a - b in one scenario: the difference of their seed means of a per-cell `key`,
-    its 95% bootstrap interval over seeds, the same in the reference's sigma, and which side the
-    interval puts higher. None when either group has no finished cell."""
-    va, vb = (seed_values(summary, scenario, m, key) for m in (a, b))
-    if not va or not vb:
+def paired(summary: dict, a: tuple[str, str], b: tuple[str, str],
+           key: str = "last3_trainer") -> tuple[np.ndarray, np.ndarray]:
+    """Groups a and b ((scenario, method) each): their per-cell `key` on the seeds both
+    finished, aligned by seed (module docstring: what a seed shares)."""
+    def by_seed(group: tuple[str, str]) -> dict[int, float]:
+        return {c["seed"]: c[key] for c in summary["cells"].values()
+                if (c["scenario"], c["method"]) == tuple(group)}
+    va, vb = by_seed(a), by_seed(b)
+    seeds = sorted(set(va) & set(vb))
+    return np.array([va[s] for s in seeds], dtype=float), np.array([vb[s] for s in seeds], dtype=float)
+
+
+def paired_ci(x: np.ndarray, y: np.ndarray, stat: Callable[[np.ndarray, np.ndarray], np.ndarray],
+              draws: int = CI_DRAWS, seed: int = 0) -> tuple[float, float]:
+    """The CI_LEVEL percentile interval of `stat(x, y)` (row-wise over resamples) with the
+    seeds resampled jointly: pair i stays a pair. NaN under 2 pairs."""
+    if len(x) < 2:
+        return float("nan"), float("nan")
+    idx = np.random.default_rng(seed).integers(0, len(x), (draws, len(x)))
+    vals = stat(x[idx], y[idx])
+    vals = vals[np.isfinite(vals)]
+    if not len(vals):
+        return float("nan"), float("nan")
+    lo, hi = np.quantile(vals, [(1 - CI_LEVEL) / 2, (1 + CI_LEVEL) / 2])
+    return float(lo), float(hi)
+
+
+def seeds_needed(sd: float, half_width: float) -> int | None:
+    """Seeds for the 95% interval of a paired mean with per-seed sd `sd` to be +-half_width
+    wide (module docstring); None when either is not a number or the width is nil (an effect
+    of 0, up to rounding, is decided by no number of seeds)."""
+    if not (math.isfinite(sd) and math.isfinite(half_width)) or half_width <= 1e-9:
         return None
-    diff, sigma = float(np.mean(va) - np.mean(vb)), summary["reference_last3_sigma"]
-    lo, hi = bootstrap_ci(va, vb, lambda x, y: x.mean(-1) - y.mean(-1))  # row-wise over resamples
+    return max(2, math.ceil((Z * sd / half_width) ** 2))
+
+
+def power(d: np.ndarray) -> dict:
+    """What the paired differences `d` say about seeds: their sd, and the seeds an interval
+    needs to exclude 0 at the mean observed (`needs_zero`) and to be +-HALF_WIDTH
+    (`needs_half`)."""
+    sd = float(np.std(d, ddof=1)) if len(d) > 1 else float("nan")
+    effect = float(np.mean(d)) if len(d) else float("nan")
+    return {"sd_paired": sd, "seeds_run": len(d), "needs_zero": seeds_needed(sd, abs(effect)),
+            "needs_half": seeds_needed(sd, HALF_WIDTH)}
+
+
+def unresolved(n: int, needs: int | None) -> str:
+    return f"not resolved at {n} seeds" + (f" (needs ~{needs})" if needs else "")
+
+
+def contrast(summary: dict, scenario: str, a: str, b: str, key: str = "last3_trainer") -> dict | None:
+    """Methods a - b in one scenario, paired by seed: the mean of the per-seed differences of
+    `key`, its 95% bootstrap interval over seeds, the same in the reference's sigma, which side
+    the interval puts higher, and the power figures (`power`). None when either group has no
+    finished cell."""
+    if not seed_values(summary, scenario, a, key) or not seed_values(summary, scenario, b, key):
+        return None
+    va, vb = paired(summary, (scenario, a), (scenario, b), key)
+    diff, sigma = float(np.mean(va - vb)) if len(va) else float("nan"), summary["reference_last3_sigma"]
+    lo, hi = paired_ci(va, vb, lambda x, y: x.mean(-1) - y.mean(-1))
+    pw = power(va - vb)
     return {"scenario": scenario, "a": a, "b": b, "difference": diff, "difference_lo": lo,
-            "difference_hi": hi, "difference_sigma": diff / sigma if sigma > 0 else float("nan"),
+            "difference_hi": hi, "difference_sigma": diff / sigma if sigma > 0 else float("nan"), **pw,
             "verdict": (f"{a} higher" if lo > 0 else f"{b} higher" if hi < 0
-                        else f"not resolved at {min(len(va), len(vb))} seeds")}
+                        else unresolved(len(va), pw["needs_zero"]))}
