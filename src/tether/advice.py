@@ -140,10 +140,12 @@ def recommend(e: Evidence, current_estimator: str = "grpo",
                    f"Staleness is material (after {e.staleness_what}); the numerical part is not. "
                    "The generator's weights lag the trainer's: weight each token by the capped "
                    "staleness ratio pi_theta/pi_old, center the score over the generator's "
-                   "top-K head and re-sync when the ESS falls below 0.5. In E-DLC (lag 32, "
-                   "fp32, RESULTS.md) centering with the re-sync scored above the re-sync "
-                   "alone (dlc - stale_is_ess +0.012 [-0.001, +0.024], not resolved at 3 "
-                   "seeds).")
+                   "top-K head and re-sync when the ESS falls below 0.5. In E-DLC at 12 paired "
+                   "seeds (lag 32, fp32, RESULTS.md) the re-sync kept dlc on the on-policy path "
+                   "(dlc - dlc_noresync +0.035 [+0.021, +0.049]); centering added +0.015 "
+                   "[+0.003, +0.027] without it and under 0.01 with it (dlc - stale_is_ess "
+                   "+0.001 [-0.008, +0.010]), so `stale_is+none` with ess:0.5 is the choice "
+                   "without the top-K.")
     if numerical and e.routing_any is not None and e.routing_any > ROUTING_SHARE:
         return rec("numerical", "icepop", "every:1",
                    f"Numerical mismatch is material, most of it from MoE routing "
