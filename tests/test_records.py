@@ -15,7 +15,8 @@ RECORDS = sorted(d for d in RESULTS.iterdir() if record.is_record(d)) if RESULTS
 
 def test_every_record_carries_its_tables():
     assert RECORDS, "no committed record under results/"
-    assert [d.name for d in RECORDS if not (d / record.TABLES).is_file()] == []
+    missing = [d.name for d in RECORDS if not (d / record.TABLES).is_file()]
+    assert missing == [], f"`tether report results/<name>` writes each one's tables.md: {missing}"
 
 
 @pytest.mark.parametrize("rec", RECORDS, ids=[d.name for d in RECORDS])
@@ -23,5 +24,7 @@ def test_a_record_restores_and_regenerates_its_tables(rec, tmp_path):
     out = record.unpacked(rec, tmp_path)
     assert record.restore(rec, out) == []  # every recorded cell is there: none left to restore
     _, tables = summary_tables(out)
-    assert tables == (rec / record.TABLES).read_text()
+    assert tables == (rec / record.TABLES).read_text(), (
+        f"{rec.name}: its tables.md is not what its cells give; `tether report results/{rec.name}` "
+        "rewrites it (a run stopped before its summary records cells but not their tables)")
     assert not list(rec.rglob("final"))  # no final models: the record keeps what the tables read
