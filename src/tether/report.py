@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 
 from tether.errors import InputError
-from tether.experiments import analysis, get, tables_markdown
+from tether.experiments import analysis, get, own_tables, tables_markdown
 from tether.experiments.cis import measured_generators
 from tether.models import quiet_transformers
 
@@ -384,6 +384,7 @@ def build_report(out: str | Path, command: str | None = None) -> tuple[Path, Pat
                          f"worker(s)" for t in timing)
     if summary.get("unfinished"):  # started, not done: left out of every table
         run_line += f"; {len(summary['unfinished'])} unfinished cell(s) left out"
+    extra = own_tables(module, summary)  # claims, controls
     # Markdown.
     md = [f"# Experiment {meta['name']}", "", f"**Question.** {meta['question']}", ""]
     if command:
@@ -391,7 +392,7 @@ def build_report(out: str | Path, command: str | None = None) -> tuple[Path, Pat
     md += [f"Settings (every cell): `{' '.join(meta['base'])}`", "",
            *[f"- {n}" for n in meta["notes"]], "", ref_line, "",
            f"Runs: {run_line or 'none recorded'}. Failed cells: {len(failed)}.", "",
-           tables_markdown(module, summary)]
+           tables_markdown(module, summary, extra)]
     tb = summary.get("truncation_bias")
     for g in measured_generators(tb):
         caption = (f"Truncation bias by confidence bin (starting model, generator "
@@ -416,7 +417,7 @@ def build_report(out: str | Path, command: str | None = None) -> tuple[Path, Pat
               f"<p>{html.escape(ref_line)}</p>",
               f"<p>Runs: {html.escape(run_line or 'none recorded')}. Failed cells: {len(failed)}.</p>",
               _html_table(groups, module.COLUMNS)]
-    for title, rows, columns in module.tables(summary) if hasattr(module, "tables") else []:
+    for title, rows, columns in extra:
         parts += [f"<p>{html.escape(title)}</p>", _html_table(rows, columns)]
     for g in measured_generators(tb):
         caption = (f"Truncation bias by confidence bin (generator {html.escape(g.get('generator', ''))}; "

@@ -40,11 +40,16 @@ def select(exp: Experiment, only: list[str]) -> list[Cell]:
     return [c for c in pool if (c.scenario, c.method) in keep]
 
 
-def tables_markdown(module, summary: dict) -> str:
-    """The groups' table and the experiment's own (claims, controls), as `tether report` and a
+def own_tables(module, summary: dict) -> list[tuple[str, list[dict], list[tuple[str, str]]]]:
+    """The experiment's tables beside the groups' (claims, controls): (title, rows, columns)."""
+    return module.tables(summary) if hasattr(module, "tables") else []
+
+
+def tables_markdown(module, summary: dict, own: list[tuple[str, list[dict], list[tuple[str, str]]]]) -> str:
+    """The groups' table and the experiment's `own` (`own_tables`), as `tether report` and a
     record's `tables.md` print them."""
     md = [analysis.markdown_table(summary["groups"], module.COLUMNS), ""]
-    for title, rows, columns in (module.tables(summary) if hasattr(module, "tables") else []):
+    for title, rows, columns in own:
         md += [title, "", analysis.markdown_table(rows, columns), ""]
     return "\n".join(md)
 
@@ -54,7 +59,7 @@ def summary_tables(out: str | Path) -> tuple[dict, str]:
     and its tables (`tables_markdown`)."""
     module = get(analysis.load_meta(Path(out))["name"])
     summary = analysis.summarize(Path(out), extend=getattr(module, "extend", None))
-    return summary, tables_markdown(module, summary)
+    return summary, tables_markdown(module, summary, own_tables(module, summary))
 
 
 def record_tables(dest: str | Path, out: str | Path) -> dict:
@@ -103,5 +108,5 @@ def run(name: str, out: str | Path | None = None, quick: bool = False, seeds: in
     return summary
 
 
-__all__ = ["EXPERIMENTS", "Cell", "Experiment", "get", "record_tables", "run", "run_experiment", "select",
+__all__ = ["EXPERIMENTS", "Cell", "Experiment", "get", "own_tables", "record_tables", "run", "run_experiment", "select",
            "summary_tables", "tables_markdown"]

@@ -278,16 +278,22 @@ def deviation(g: np.ndarray, r: np.ndarray) -> np.ndarray:
 
 def bootstrap_ci(group: list[float], reference: list[float],
                  stat: Callable[[np.ndarray, np.ndarray], np.ndarray],
-                 draws: int = CI_DRAWS, seed: int = 0) -> tuple[float, float]:
+                 draws: int = CI_DRAWS, seed: int = 0, paired: bool = False) -> tuple[float, float]:
     """The CI_LEVEL percentile interval of `stat(group, reference)` with each side's seeds
-    resampled with replacement, independently. Draws where the stat is undefined (a
-    reference resample of one repeated seed has no sigma) are left out."""
-    g = np.asarray([x for x in group if x is not None and math.isfinite(x)], dtype=float)
-    r = np.asarray([x for x in reference if x is not None and math.isfinite(x)], dtype=float)
+    resampled with replacement, independently; `paired`: the two sides aligned by seed and
+    resampled jointly, pair i staying a pair (a pair with a missing side left out). Draws
+    where the stat is undefined (a reference resample of one repeated seed has no sigma) are
+    left out."""
+    g, r = (np.array([np.nan if x is None else x for x in side], dtype=float) for side in (group, reference))
+    if paired:
+        both = np.isfinite(g) & np.isfinite(r)
+        g, r = g[both], r[both]
+    g, r = g[np.isfinite(g)], r[np.isfinite(r)]
     if len(g) < 2 or len(r) < 2:
         return float("nan"), float("nan")
     rng = np.random.default_rng(seed)
-    vals = stat(g[rng.integers(0, len(g), (draws, len(g)))], r[rng.integers(0, len(r), (draws, len(r)))])
+    idx = rng.integers(0, len(g), (draws, len(g)))
+    vals = stat(g[idx], r[idx] if paired else r[rng.integers(0, len(r), (draws, len(r)))])
     vals = vals[np.isfinite(vals)]
     if not len(vals):
         return float("nan"), float("nan")

@@ -58,14 +58,13 @@ from pathlib import Path
 
 import numpy as np
 
-from tether.experiments.analysis import deviation, ratio
+from tether.experiments.analysis import bootstrap_ci, deviation, ratio
 from tether.experiments.runner import EVAL_SEED, Cell, Experiment
 from tether.experiments.verdicts import (
     all_met,
     contrast,
     interval_verdict,
     paired,
-    paired_ci,
     power,
     seed_values,
     unresolved,
@@ -240,7 +239,7 @@ def _on_path_claims(summary: dict, g: dict, where: str) -> list[dict]:
     keep = power(x - ON_PATH_KEEP * y)
     rat = float(ratio(x, y))
     dev = float(deviation(x, y)) if len(x) > 1 else float("nan")  # sigma needs 2 reference seeds
-    (r_lo, r_hi), (d_lo, d_hi) = paired_ci(x, y, ratio), paired_ci(x, y, deviation)
+    (r_lo, r_hi), (d_lo, d_hi) = (bootstrap_ci(x, y, stat, paired=True) for stat in (ratio, deviation))
     common = {"group": where, "collapsed": g["collapsed_trainer"], "seeds_run": len(x)}
     if g["method"] == "dlc":
         verdict = all_met(interval_verdict(d_lo, d_hi, lambda v: v <= ON_PATH_SIGMA),

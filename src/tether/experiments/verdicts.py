@@ -21,9 +21,9 @@ from collections.abc import Callable
 
 import numpy as np
 
-from tether.experiments.analysis import CI_DRAWS, CI_LEVEL
+from tether.experiments.analysis import bootstrap_ci
 
-Z = 1.959964  # the normal quantile of CI_LEVEL, two-sided
+Z = 1.959964  # the normal quantile of analysis.CI_LEVEL (0.95), two-sided
 HALF_WIDTH = 0.01  # accuracy: the smallest effect worth reporting on this testbed (issue 73)
 
 
@@ -69,21 +69,6 @@ def paired(summary: dict, a: tuple[str, str], b: tuple[str, str],
     return np.array([va[s] for s in seeds], dtype=float), np.array([vb[s] for s in seeds], dtype=float)
 
 
-def paired_ci(x: np.ndarray, y: np.ndarray, stat: Callable[[np.ndarray, np.ndarray], np.ndarray],
-              draws: int = CI_DRAWS, seed: int = 0) -> tuple[float, float]:
-    """The CI_LEVEL percentile interval of `stat(x, y)` (row-wise over resamples) with the
-    seeds resampled jointly: pair i stays a pair. NaN under 2 pairs."""
-    if len(x) < 2:
-        return float("nan"), float("nan")
-    idx = np.random.default_rng(seed).integers(0, len(x), (draws, len(x)))
-    vals = stat(x[idx], y[idx])
-    vals = vals[np.isfinite(vals)]
-    if not len(vals):
-        return float("nan"), float("nan")
-    lo, hi = np.quantile(vals, [(1 - CI_LEVEL) / 2, (1 + CI_LEVEL) / 2])
-    return float(lo), float(hi)
-
-
 def seeds_needed(sd: float, half_width: float) -> int | None:
     """Seeds for the 95% interval of a paired mean with per-seed sd `sd` to be +-half_width
     wide (module docstring); None when either is not a number or the width is nil (an effect
@@ -116,7 +101,7 @@ def contrast(summary: dict, scenario: str, a: str, b: str, key: str = "last3_tra
         return None
     va, vb = paired(summary, (scenario, a), (scenario, b), key)
     diff, sigma = float(np.mean(va - vb)) if len(va) else float("nan"), summary["reference_last3_sigma"]
-    lo, hi = paired_ci(va, vb, lambda x, y: x.mean(-1) - y.mean(-1))
+    lo, hi = bootstrap_ci(va, vb, lambda x, y: x.mean(-1) - y.mean(-1), paired=True)
     pw = power(va - vb)
     return {"scenario": scenario, "a": a, "b": b, "difference": diff, "difference_lo": lo,
             "difference_hi": hi, "difference_sigma": diff / sigma if sigma > 0 else float("nan"), **pw,
