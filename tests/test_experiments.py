@@ -172,6 +172,12 @@ def test_quick_experiment_tables_resume_and_report(name, tmp_path, warm_model_di
     (out / "cells" / last.name / "done.json").unlink()
     summary = analysis.summarize(out)
     assert summary["unfinished"] == [last.name] and last.name not in summary["cells"]
+    # A slice (--only) runs its own cells alone: the earlier plan's unfinished one waits.
+    first = exp.cells[0]
+    if (first.scenario, first.method) != (last.scenario, last.method):
+        assert main(args + ["--only", f"{first.scenario}:{first.method}"]) == 0
+        assert json.loads((out / "timing.json").read_text())[-1]["cells_run"] == 0
+        assert not (out / "cells" / last.name / "done.json").exists()
 
 
 def test_cell_stats_by_hand():

@@ -356,7 +356,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="Run only these scenario:method groups, e.g. lag32:naive,lag32:dlc "
                    "(the on-policy reference group is always included); it may name groups cut "
                    "from the default matrix, e.g. lag32:dlc_clip. Into an existing --out, the "
-                   "slice adds to what is there.")
+                   "slice runs its own cells and adds them to what is there (an earlier "
+                   "slice's cells are reported, not run).")
     p.add_argument("--record", metavar="DIR",
                    help="A committed record of finished cells (e.g. results/dlc-power): restored "
                    "into --out first, so only the cells it lacks run, from the record's own "

@@ -207,13 +207,14 @@ def run_experiment(exp: Experiment, out: str | Path, workers: int = 2,
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     previous = out / "experiment.json"
+    planned = list(exp.cells)  # what this invocation runs; an earlier slice's cells are only reported
     if previous.is_file():  # finished cells are only reusable under the same settings
         old = json.loads(previous.read_text())
         if (old["name"], old["base"]) != (exp.name, exp.base):
             raise InputError(f"{out} holds experiment {old['name']!r} with other settings "
                              f"({' '.join(old['base'])}); choose another --out")
         # A slice (--only, --seeds) run into the same directory adds to the cells reported.
-        known = {c.name for c in exp.cells}
+        known = {c.name for c in planned}
         earlier = [Cell(c["scenario"], c["method"], c["seed"], tuple(c["overrides"]))
                    for c in old["cells"] if c["name"] not in known]
         exp.cells = earlier + exp.cells
@@ -227,8 +228,8 @@ def run_experiment(exp: Experiment, out: str | Path, workers: int = 2,
             "reference": list(exp.reference), "notes": exp.notes, "model_path": start_model,
             "cells": [asdict(c) | {"name": c.name} for c in exp.cells]}
     (out / "experiment.json").write_text(json.dumps(meta, indent=1))
-    todo = [c for c in exp.cells if not is_done(out, c)]
-    log(f"{exp.name}: {len(exp.cells)} cells, {len(exp.cells) - len(todo)} done, "
+    todo = [c for c in planned if not is_done(out, c)]
+    log(f"{exp.name}: {len(planned)} cells, {len(planned) - len(todo)} done, "
         f"{len(todo)} to run on {min(workers, max(len(todo), 1))} worker(s)")
     # A cell with its own model.* keys (vespo's MoE rows: model.moe=true) starts from
     # tether's default model for them, built once here, not from `model_path`.
