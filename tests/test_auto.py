@@ -1,5 +1,6 @@
 """train.correction=auto's controller (tether.auto): each cause's choice from one step's
-figures, switched on after k material steps and off after m negligible ones, exactly; the
+figures, switched on after k material steps of the last w and off after m negligible ones
+in a row, exactly; the
 estimator and sync policy each choice trains with; the config rules. End to end:
 tests/test_auto_run.py."""
 
@@ -36,8 +37,9 @@ def row(numerical: bool = False, stale: bool = False, heavy: bool = False,
     return out
 
 
-def drive(rows: list[dict], k: int = ON_AFTER, m: int = OFF_AFTER) -> tuple[Controller, list]:
-    c = Controller(N, k, m)
+def drive(rows: list[dict], k: int = ON_AFTER, m: int = OFF_AFTER,
+          w: int | None = None) -> tuple[Controller, list]:
+    c = Controller(N, k, m, w)
     changes = []
     for step, r in enumerate(rows, start=1):
         changes += c.observe(r, step)
@@ -45,38 +47,55 @@ def drive(rows: list[dict], k: int = ON_AFTER, m: int = OFF_AFTER) -> tuple[Cont
 
 
 def test_material_turns_on_after_k_and_off_after_m():
-    rows = [row(numerical=True)] * 5 + [row()] * 8
+    rows = [row(numerical=True)] * 5 + [row()] * (OFF_AFTER + 2)
     c, changes = drive(rows)
     # On after the k-th material step (3), in force from step 4; off after the m-th
-    # negligible one (step 5 + 6 = 11), in force from step 12.
-    assert changes == [(3, "numerical", "none", "cis"), (11, "numerical", "cis", "none")]
+    # negligible one in a row (step 5 + m), in force from the step after.
+    assert changes == [(3, "numerical", "none", "cis"),
+                       (5 + OFF_AFTER, "numerical", "cis", "none")]
     assert c.numerical == "none" and c.staleness == "plain"
 
 
-def test_flapping_evidence_never_switches():
+def test_flapping_evidence_never_switches_in_a_row_and_does_in_a_window():
     rows = [row(numerical=True), row()] * 10 + [row(stale=True), row(stale=True), row()] * 5
     assert drive(rows)[1] == []
+    # k of the last w: evidence on every other step turns on at the window (steps 1, 3, 5),
+    # and m = 10 negligible steps in a row never come to turn it off.
+    rows = [row(numerical=True), row()] * 15
+    assert drive(rows, m=10, w=5)[1] == [(5, "numerical", "none", "cis")]
+    # Isolated dips (2 of any 5 at most) never switch, in a window either.
+    assert drive([row(stale=True), row(), row()] * 10, w=5)[1] == []
 
 
 def test_a_streak_broken_once_starts_again():
     rows = [row(stale=True)] * 2 + [row()] + [row(stale=True)] * 3
     assert drive(rows)[1] == [(6, "staleness", "plain", "resync")]
+    assert drive(rows, w=5)[1] == [(4, "staleness", "plain", "resync")]  # steps 1, 2, 4 of 1-5
+    # The window counts only its last w steps: material at 1, 2 and 7 is never 3 in 5.
+    assert drive([row(stale=True)] * 2 + [row()] * 4 + [row(stale=True)] + [row()] * 3,
+                 w=5)[1] == []
     # Once on, one negligible step among material ones does not turn it off, nor m - 1 of them.
     rows = [row(stale=True)] * 3 + [row()] * (OFF_AFTER - 1) + [row(stale=True)] + [row()] * OFF_AFTER
-    assert drive(rows)[1] == [(3, "staleness", "plain", "resync"),
-                              (3 + OFF_AFTER + OFF_AFTER, "staleness", "resync", "plain")]
+    for w in (None, 5):
+        assert drive(rows, w=w)[1] == [(3, "staleness", "plain", "resync"),
+                                       (3 + OFF_AFTER + OFF_AFTER, "staleness", "resync", "plain")]
 
 
 def test_the_kind_changes_after_k_steps_of_the_other_kind():
     rows = [row(numerical=True)] * 3 + [row(numerical=True, heavy=True)] * 3
     assert drive(rows)[1] == [(3, "numerical", "none", "cis"), (6, "numerical", "cis", "icepop")]
+    # From none, the kind the window called for most: icepop on 2 of the 3 material steps.
+    rows = [row(numerical=True, heavy=True), row(numerical=True), row(numerical=True, heavy=True)]
+    assert drive(rows)[1] == [(3, "numerical", "none", "icepop")]
+    rows = [row(numerical=True), row(numerical=True, heavy=True), row(numerical=True)]
+    assert drive(rows, w=5)[1] == [(3, "numerical", "none", "cis")]
 
 
 def test_both_causes_switch_independently():
-    rows = [row(numerical=True, stale=True)] * 3 + [row(stale=True)] * 6
+    rows = [row(numerical=True, stale=True)] * 3 + [row(stale=True)] * OFF_AFTER
     c, changes = drive(rows)
     assert changes == [(3, "numerical", "none", "cis"), (3, "staleness", "plain", "resync"),
-                       (9, "numerical", "cis", "none")]
+                       (3 + OFF_AFTER, "numerical", "cis", "none")]
     assert c.staleness == "resync"
 
 
@@ -99,23 +118,23 @@ def test_targets_follow_the_advice_rules():
     assert t(at_bar) == ("none", "plain")
 
 
-@given(st.lists(st.booleans(), max_size=40), st.integers(1, 4), st.integers(1, 8))
-def test_switch_is_the_hysteresis_rule(material, k, m):
-    """The rule, restated: the choice changes at step i exactly when the targets of the
-    `need` steps ending at i (k to turn on, m to turn off) all differ from the active choice
-    and all came after its last change."""
+@given(st.lists(st.booleans(), max_size=40), st.integers(1, 4), st.integers(0, 3),
+       st.integers(1, 8))
+def test_switch_is_the_hysteresis_rule(material, k, extra, m):
+    """The rule, restated: among the steps after the last change, the choice turns on at step
+    i exactly when at least k of the last w (ending at i) called for it, and off exactly when
+    the last m all called for none."""
+    w = k + extra
     s, active, last_change = Switch("off"), "off", 0
     for i, mat in enumerate(material, start=1):
-        target = "on" if mat else "off"
-        run = 0
-        for j in range(i, last_change, -1):  # steps i, i - 1, ... after the last change
-            if material[j - 1] != mat:
-                break
-            run += 1
-        want = target != active and run >= (k if target == "on" else m)
-        assert s.update(target, "off", k, m) == want
+        since = material[last_change:i]
+        if active == "off":
+            want = sum(since[-w:]) >= k
+        else:
+            want = len(since) >= m and not any(since[-m:])
+        assert s.update("on" if mat else "off", "off", k, m, w) == want
         if want:
-            active, last_change = target, i
+            active, last_change = ("off" if active == "on" else "on"), i
         assert s.active == active
 
 
@@ -178,6 +197,8 @@ def test_the_rule_on_tensors_centers_while_staleness_is_handled():
     assert auto.choice(has_topk=False) == ("none", "resync")  # no top-K: uncentered
     assert auto.codes(has_topk=True) == {"auto/numerical": 3.0, "auto/staleness": 1.0}
     assert auto.estimator(has_topk=True).spec[:3] == ("ppo", "none", True)
+    with pytest.raises(ValueError, match="on_after=4 steps of the last window=3"):
+        Auto("grpo", batch=N, on_after=4, window=3)
     vespo = Auto("vespo", batch=N, on_after=1, off_after=1)
     vespo.observe(row(numerical=True, stale=True), 1)
     assert not vespo.centers and vespo.choice(has_topk=True) == ("cis", "resync")  # no head weight
@@ -216,6 +237,8 @@ def test_config_rules():
                            "sync.policy=bounded:2", "loop.max_staleness=2"])
     with pytest.raises(ConfigError, match="train.auto_on_after"):
         load_config(None, ["train.correction=auto", "train.auto_on_after=0"])
+    with pytest.raises(ConfigError, match="train.auto_on_after: 4 steps of the last"):
+        load_config(None, ["train.correction=auto", "train.auto_on_after=4", "train.auto_window=3"])
     # An async auto run under the ESS window's default rule for trips it may turn on.
     cfg = load_config(None, ["train.correction=auto", "loop.mode=async", "sync.policy=bounded:2",
                              "loop.max_staleness=2"])
@@ -238,9 +261,9 @@ def test_a_resync_hides_staleness_until_the_lag_builds_back():
     _, changes = drive(rows)
     assert changes == [(3, "staleness", "plain", "resync"),
                        (3 + 14 + OFF_AFTER, "staleness", "resync", "plain")]
-    # A fresh step breaks no streak: two stale-enough negligible steps, a fresh one, four more.
-    rows = [at(8, True)] * 3 + [at(8, False)] * 2 + [at(1, False)] + [at(8, False)] * 4
-    assert drive(rows)[1][-1] == (10, "staleness", "resync", "plain")
+    # A fresh step breaks no streak: two stale-enough negligible steps, a fresh one, m - 2 more.
+    rows = [at(8, True)] * 3 + [at(8, False)] * 2 + [at(1, False)] + [at(8, False)] * (OFF_AFTER - 2)
+    assert drive(rows)[1][-1] == (4 + OFF_AFTER, "staleness", "resync", "plain")
     # No lag at all (k3 and the ratio at rounding): off after m steps, fresh or not.
     gone = {**row(), "staleness/k3_kl/mean": 0.0, "staleness/ess/token": 1.0,
             "staleness/versions/batch": 0.0}

@@ -4,7 +4,7 @@ tests/test_auto.py).
 A run whose causes appear as it goes: heavy-tailed logit noise makes the numerical part
 material from the start, and a lag that starts after step 3 (`sync.lag_from`) makes
 staleness material a few steps later. The run must switch each cause on exactly when the
-hysteresis rule says (k = 2 consecutive material steps, from the logged figures), center
+hysteresis rule says (k = 2 material steps of the last w = 3, from the logged figures), center
 and request the engine's top-K only while staleness is handled, and re-sync only then. Then SIGTERM after the
 switches and `--resume`: the same choices and bit-identical rows after it.
 """
@@ -20,13 +20,13 @@ from tether.auto import NUMERICAL, STALENESS, Controller
 from tether.config import load_config
 from tether.logger import read_jsonl
 
-STEPS, K, M, LAG_FROM, P = 12, 2, 3, 3, 4
+STEPS, K, W, M, LAG_FROM, P = 12, 2, 3, 3, 3, 4
 RUN = ["run.threads=1", "run.progress=false", "run.checkpoint_every=0", f"train.steps={STEPS}",
        "train.lr=3e-3", f"rollout.prompts_per_step={P}", "rollout.group_size=4",
        "rollout.max_new_tokens=10", "task.name=countdown", "task.eval_size=8", "eval.every=0",
        "sync.lag=6", f"sync.lag_from={LAG_FROM}", "rollout.logit_noise=0.3",
        "rollout.logit_noise_dof=3", "train.correction=auto", f"train.auto_on_after={K}",
-       f"train.auto_off_after={M}"]
+       f"train.auto_window={W}", f"train.auto_off_after={M}"]
 
 
 def _rows(run_dir: Path) -> list[dict]:
@@ -48,7 +48,7 @@ def test_auto_switches_with_the_evidence_and_resumes_exactly(warm_model_dir, tmp
     rows = _rows(tmp_path / "straight")
 
     # Each switch at the step the rule names, from the logged figures alone.
-    replay, expected = Controller(P * 4, K, M), []
+    replay, expected = Controller(P * 4, K, M, W), []
     for r in rows:
         num, stale = replay.numerical, replay.staleness
         centered = stale == "resync"  # DLC's handling, its centering the numerical correction
@@ -59,10 +59,10 @@ def test_auto_switches_with_the_evidence_and_resumes_exactly(warm_model_dir, tmp
     on = [r["step"] for r in rows if r["auto/staleness"] == 1]
     material = [r["step"] for r in rows if r["staleness/ess/token"] < ESS_TAU + ESS_MARGIN]
     # The injected cause: nothing stale before the lag starts; then the switch comes right
-    # after the first K consecutive material steps.
+    # after the first step that ends a window of W with K material steps in it.
     assert min(material) > LAG_FROM + 1 and on
-    first_streak_end = next(s for s in material if all(s - i in material for i in range(K)))
-    assert on[0] == first_streak_end + 1
+    first_called = next(s for s in material if sum(s - i in material for i in range(W)) >= K)
+    assert on[0] == first_called + 1
     assert rows[0]["auto/numerical"] == 0 and rows[K]["auto/numerical"] > 0  # on after K steps
     assert f"tether: auto: staleness plain -> resync from step {on[0]}" in err
     assert "tether: auto: numerical none -> " in err
@@ -104,14 +104,14 @@ def test_auto_in_the_async_race(warm_model_dir, tmp_path, monkeypatch):
         "diagnostics.monitor_every=0", "loop.mode=async", f"loop.max_staleness={eta}",
         f"sync.policy=bounded:{eta}", "train.steps=14", "train.lr=3e-3",
         "rollout.logit_noise=0.3", "rollout.logit_noise_dof=3", "train.correction=auto",
-        f"train.auto_on_after={K}", f"train.auto_off_after={M}"])
+        f"train.auto_on_after={K}", f"train.auto_window={W}", f"train.auto_off_after={M}"])
 
     outpace_training(monkeypatch)
     train(cfg)
     a = audit(run_dir / "ledger.jsonl")
     assert a.ok, a.problems
     rows = read_jsonl(run_dir / "metrics.jsonl")[1:]
-    replay, expected = Controller(P * 4, K, M), []
+    replay, expected = Controller(P * 4, K, M, W), []
     for r in rows:
         num, stale = replay.numerical, replay.staleness
         centered = stale == "resync" and r["auto/topk"] > 0

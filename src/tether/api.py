@@ -117,14 +117,16 @@ class Auto:
     metrics, step)` returns the switch lines that step's figures completed; `loss` trains with
     the choice in force (centered while staleness is handled and the top-K tensors are
     passed); `resync` says whether staleness is handled, i.e. whether to re-sync the generator
-    at ESS < `tau` (`resync()`). `state_dict`/`load_state_dict` for checkpoints."""
+    at ESS < `tau` (`resync()`). `on_after`, `window`, `off_after`: the hysteresis (k in a row,
+or of the last `window` steps, to switch on; m in a row to switch off). `state_dict` /
+`load_state_dict` for checkpoints."""
 
     tau = ESS_TAU
 
     def __init__(self, estimator: str = "grpo", *, batch: int, on_after: int = ON_AFTER,
-                 off_after: int = OFF_AFTER, **params: Any):
+                 window: int | None = None, off_after: int = OFF_AFTER, **params: Any):
         self.base = Base.of(estimator, params)
-        self.controller = Controller(batch, on_after, off_after)
+        self.controller = Controller(batch, on_after, off_after, window)
         self._built: dict[tuple[str, str], Estimator] = {}
 
     @property

@@ -24,7 +24,9 @@ none. Why: one step's figure is one batch's estimate; three exceedances in a row
 spurious switch p^3 at a per-step false-alarm rate p (1e-3 at p = 0.1), and cost at most
 two uncorrected steps, while DLC's drift builds over tens. Off asks for twice the evidence:
 leaving a needed correction off lets a bias compound, keeping an unneeded one a few steps
-costs bounded variance.
+costs bounded variance. A window w > k (`window`: k of the last w steps) is for evidence that
+fires on some steps only, near its threshold; measured (E-AUTO, RESULTS.md) at k = 3 of 5
+with m = 10 it was not better than k in a row, so the default stays k in a row.
 
 A re-sync removes staleness's evidence along with its cause: after one, the batches are
 fresh and their ESS is high until the lag builds back. So while re-syncing, a negligible
@@ -52,7 +54,7 @@ from tether.advice import (
 from tether.estimators import Estimator, build_estimator
 from tether.estimators.registry import OBJECTIVES
 
-ON_AFTER = 3  # k: consecutive steps calling for a correction before it is switched on
+ON_AFTER = 3  # k: steps calling for a correction (in a row, or of the last w) to switch it on
 OFF_AFTER = 6  # m: consecutive steps calling for none before it is switched off
 
 # The choices, in the order of their codes in the metrics (auto/numerical, auto/staleness).
@@ -65,24 +67,34 @@ class Switch:
     """One cause's active choice under the hysteresis rule: `update` with the step's target."""
 
     active: str
-    pending: str | None = None  # the target of the current streak
-    streak: int = 0  # consecutive steps with that target
+    recent: list[str] = field(default_factory=list)  # the last targets since the last change
+    quiet: int = 0  # consecutive steps calling for none
 
-    def update(self, target: str | None, off: str, on_after: int, off_after: int) -> bool:
+    def update(self, target: str | None, off: str, on_after: int, off_after: int,
+               window: int) -> bool:
         """The step's target choice; True when the active choice changed. Turning to `off`
-        needs `off_after` consecutive steps, any other change `on_after`. `target` None: the
-        step is no evidence either way (the streak neither grows nor breaks)."""
+        needs `off_after` consecutive steps; any other choice, `on_after` of the last `window`
+        steps since the last change (from off: calling for any correction, the kind the most
+        called for, the latest on a tie). `target` None: the step is no evidence either way."""
         if target is None:
             return False
-        if target == self.active:
-            self.pending, self.streak = None, 0
+        self.recent = (self.recent + [target])[-window:]
+        self.quiet = self.quiet + 1 if target == off else 0
+        new = off if self.active != off and self.quiet >= off_after else self._called_for(off, on_after)
+        if new is None:
             return False
-        self.streak = self.streak + 1 if target == self.pending else 1
-        self.pending = target
-        if self.streak < (off_after if target == off else on_after):
-            return False
-        self.active, self.pending, self.streak = target, None, 0
+        self.active, self.recent, self.quiet = new, [], 0
         return True
+
+    def _called_for(self, off: str, on_after: int) -> str | None:
+        """The correction the window calls for instead of the active one, if any."""
+        called = [t for t in self.recent if t != off]
+        if self.active == off:
+            if len(called) < on_after:
+                return None
+            return max(reversed(called), key=called.count)  # the most called for, latest first
+        others = [t for t in called if t != self.active and called.count(t) >= on_after]
+        return others[-1] if others else None
 
 
 @dataclass(frozen=True)
@@ -123,10 +135,16 @@ class Controller:
     batch: int  # N: responses per optimizer step (the numerical 1/N bar)
     on_after: int = ON_AFTER
     off_after: int = OFF_AFTER
+    window: int | None = None  # w: count k over the last w steps; None: k in a row (w = k)
     num: Switch = field(default_factory=lambda: Switch("none"))
     stale: Switch = field(default_factory=lambda: Switch("plain"))
     stale_versions: float | None = None  # how stale (versions) the last material batch was
     evidence: dict[str, float] = field(default_factory=dict)  # the last step's, for its row
+
+    def __post_init__(self) -> None:
+        if self.window is not None and not 1 <= self.on_after <= self.window:
+            raise ValueError(f"auto: on_after={self.on_after} steps of the last "
+                             f"window={self.window} can never be counted: 1 <= on_after <= window")
 
     @property
     def numerical(self) -> str:
@@ -146,7 +164,8 @@ class Controller:
         for cause, switch, target, off in (("numerical", self.num, numerical, "none"),
                                            ("staleness", self.stale, staleness, "plain")):
             old = switch.active
-            if switch.update(target, off, self.on_after, self.off_after):
+            if switch.update(target, off, self.on_after, self.off_after,
+                             self.window or self.on_after):
                 changes.append(Change(step, cause, old, switch.active, lines.get(cause, "")))
         return changes
 

@@ -89,6 +89,11 @@ def _check_auto(cfg: Config, estimator: Any, policy: Any) -> None:
     problem = Base.check(estimator)
     if problem:
         raise ConfigError(f"train.estimator: {problem}")
+    window = cfg.train.auto_window
+    if window is not None and cfg.train.auto_on_after > window:
+        raise ConfigError(
+            f"train.auto_on_after: {cfg.train.auto_on_after} steps of the last "
+            f"train.auto_window={window} can never be counted: set it <= the window")
     if policy.measures_ess or cfg.loop.window == "ess":
         raise ConfigError(
             f"train.correction=auto switches the ESS re-sync (and, async, the ESS window) on "

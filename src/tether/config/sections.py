@@ -152,10 +152,13 @@ class TrainConfig(Node):
         "(and, async, the ESS window) with DLC's centering for material staleness. "
         "train.estimator then names the objective only (grpo, gspo, vespo, ...)."))
     auto_on_after: int = Field(3, ge=1, description=(
-        "train.correction=auto: consecutive steps a cause must call for a correction before "
-        "it is switched on (k)."))
+        "train.correction=auto: steps a cause must call for a correction before it is "
+        "switched on (k): in a row, or of the last train.auto_window."))
+    auto_window: int | None = Field(None, ge=1, description=(
+        "train.correction=auto: count auto_on_after over the last w steps (w >= k), for "
+        "evidence that fires on some steps only. Empty: k steps in a row."))
     auto_off_after: int = Field(6, ge=1, description=(
-        "train.correction=auto: consecutive steps a cause must call for none before its "
+        "train.correction=auto: steps in a row a cause must call for none before its "
         "correction is switched off (m)."))
     adv_std_norm: bool = Field(
         True, description="Divide group-centred rewards by the group's std (GRPO); false: Dr. GRPO."

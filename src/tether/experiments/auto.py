@@ -108,7 +108,7 @@ def build(quick: bool = False, seeds: int | None = None) -> Experiment:
     notes = [f"lag k = {lag}; scenario 4's lag starts after step {switch}",
              f"on-policy reference: exact x naive (fp32 generator, lag 0, REINFORCE), {n_ref} seeds",
              "exact x tis and exact x cis are naive's rows (the same gradient; module docstring)",
-             "auto: grpo's objective (ppo) with train.correction=auto, k = 3, m = 6",
+             "auto: grpo's objective (ppo) with train.correction=auto (k = 3, m = 6 unless --set)",
              "sampled evaluations share their draws across cells (eval.seed)"]
     return Experiment("auto", QUESTION, base, cells, ("exact", "naive"), notes)
 
