@@ -3,6 +3,7 @@ regenerates, from its cells alone, the tables it carries (`tables.md`, which `te
 RECORD` writes). A change to the analysis that moves a committed figure fails here until the
 record's tables are regenerated, and RESULTS.md with them."""
 
+import json
 from pathlib import Path
 
 import pytest
@@ -28,3 +29,10 @@ def test_a_record_restores_and_regenerates_its_tables(rec, tmp_path):
         f"{rec.name}: its tables.md is not what its cells give; `tether report results/{rec.name}` "
         "rewrites it (a run stopped before its summary records cells but not their tables)")
     assert not list(rec.rglob("final"))  # no final models: the record keeps what the tables read
+    # What the summary measures on the starting model is in the record, not re-measured.
+    cached = {record.PROBE} | ({record.BIAS} if _name(rec) == "cis" else set())
+    assert all((rec / name).is_file() for name in cached), f"{rec.name}: lacks {cached}"
+
+
+def _name(rec: Path) -> str:
+    return json.loads((rec / "experiment.json").read_text())["name"]

@@ -51,7 +51,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from tether.experiments import verdicts
+from tether.experiments import record, verdicts
 from tether.experiments.runner import EVAL_SEED, Cell, Experiment
 
 QUESTION = ("With a generator whose mismatch is CIS Appendix A's size, does CIS bound the "
@@ -246,9 +246,9 @@ def truncation_bias(out: Path, seed: int = 4321) -> dict:
     starting model by the `inj` generator (the result's top level) and by `inj_tail` (its
     key "inj_tail"): BIAS_CHUNKS batches of 8 x rollout.prompts_per_step prompts x
     rollout.group_size each; pooled, and the test (pi_old < 0.5: |bias_cis| <= 0.5 |bias_tis|)
-    also per batch. Cached in OUT/truncation_bias.json.
+    also per batch. Cached in OUT/truncation_bias.json (record.BIAS; a record keeps it).
     """
-    path = Path(out) / "truncation_bias.json"
+    path = Path(out) / record.BIAS
     if path.is_file():
         return json.loads(path.read_text())
     meta = json.loads((Path(out) / "experiment.json").read_text())

@@ -8,7 +8,7 @@ directory, so the runner skips those cells and `analysis.summarize` reports them
 ones. Checkpoints and final models stay out: megabytes per cell, and the probe is cached.
 The probe set itself (`probe.pt`, 33 kB) goes in once: sampled afresh from the starting
 model on another CPU it could differ, and the cached log-probs would then score other
-responses.
+responses. E-CIS's bias table on the starting model (`truncation_bias.json`) likewise.
 
 The starting model goes in once (`DEST/model`, about 9.5 MB for the tiny model): a warm
 start rebuilt on another machine is not bit-identical (its step-0 sampled accuracy on the
@@ -33,6 +33,8 @@ from pathlib import Path
 KEPT = ("done.json", "probe_logp.pt")
 MODEL = "model"
 PROBE = "probe.pt"  # analysis.make_probe's cache: the responses every cell's probe log-probs score
+BIAS = "truncation_bias.json"  # E-CIS's bias table on the starting model (cis.truncation_bias)
+CACHED = (PROBE, BIAS)  # measured once on the starting model: kept once, reused on any machine
 TABLES = "tables.md"  # the tables `tether report` prints, regenerated from the record by a test
 TIMING = "timing.json"  # every run's line (cells, seconds, workers), from every machine
 
@@ -56,8 +58,7 @@ def save(out: str | Path, dest: str | Path) -> list[str]:
     meta = json.loads((out / "experiment.json").read_text())
     if start_model(dest) is None:
         shutil.copytree(meta["model_path"], dest / MODEL)
-    if (out / PROBE).is_file() and not (dest / PROBE).is_file():
-        shutil.copyfile(out / PROBE, dest / PROBE)
+    keep_cached(out, dest)
     recorded = dest / "experiment.json"
     earlier = json.loads(recorded.read_text())["cells"] if recorded.is_file() else []
     done = {c["name"]: c for c in meta["cells"] if c["name"] in names}
@@ -113,10 +114,19 @@ def restore(dest: str | Path, out: str | Path) -> list[str]:
         names.append(c["name"])
     out.mkdir(parents=True, exist_ok=True)
     meta_path.write_text(json.dumps(meta, indent=1))
-    for kept_once in (PROBE, TIMING):
+    for kept_once in (*CACHED, TIMING):
         if (dest / kept_once).is_file() and not (out / kept_once).is_file():
             shutil.copyfile(dest / kept_once, out / kept_once)
     return names
+
+
+def keep_cached(out: str | Path, dest: str | Path) -> None:
+    """Copy what the summary measured once on the starting model (CACHED) from `out` into the
+    record `dest` where it lacks it: a report elsewhere then scores the same responses and
+    reads the same bias table, with no forward pass of its own."""
+    for name in CACHED:
+        if (Path(out) / name).is_file() and not (Path(dest) / name).is_file():
+            shutil.copyfile(Path(out) / name, Path(dest) / name)
 
 
 @contextmanager
