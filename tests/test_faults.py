@@ -11,6 +11,7 @@ tests/test_distributed.py.
 
 from __future__ import annotations
 
+import json
 import os
 import resource
 import signal
@@ -183,6 +184,12 @@ def test_killed_experiment_leaves_no_process_and_reruns_to_the_end(tmp_path, war
     cmd = [sys.executable, "-m", "tether.cli", "experiment", "dlc", "--quick", "--out", str(out),
            "--model", str(warm_model_dir), "--workers", "2", "--only", "fp8_async2:dlc_window"]
     _stop_and_check(cmd, tmp_path / "term.txt", signal.SIGTERM)
+    # The stopped run's time is on record (a record accrues every run's), with the cells it
+    # finished (the reference may have, beside the async cell), not the one it stopped.
+    done = len(list((out / "cells").glob("*/done.json")))
+    assert json.loads((out / "timing.json").read_text())[-1] | {"wall_seconds": 0} == {
+        "wall_seconds": 0, "cells_run": done, "cells_failed": 0, "workers": 2, "stopped": True}
+    assert not (out / "cells" / "fp8_async2__dlc_window__s0" / "done.json").exists()
     _stop_and_check(cmd, tmp_path / "kill.txt", signal.SIGKILL)
     rerun = subprocess.run(cmd, check=False, env=ENV, capture_output=True, text=True, timeout=400)
     assert rerun.returncode == 0, rerun.stderr[-3000:]

@@ -244,18 +244,20 @@ def run_experiment(exp: Experiment, out: str | Path, workers: int = 2,
     jobs = [(exp.base + list(c.overrides) + [f"model.path={start_of(c)}", f"run.seed={c.seed}"],
              str(cell_dir(out, c))) for c in todo]
     t0 = time.perf_counter()
-    failed = {}
-    with closing(_run_parallel(jobs, workers)) as finished:  # any exit ends the running cells
-        for i, (run_dir, seconds, error) in enumerate(finished, 1):
-            name = Path(run_dir).name
-            status = "FAILED" if error else "done"
-            log(f"  [{i}/{len(jobs)}] {name}: {status} in {seconds:.0f} s")
-            if error:
-                failed[name] = error
-    wall = time.perf_counter() - t0
-    (out / "failed.json").write_text(json.dumps(failed, indent=1))
-    timing = {"wall_seconds": wall, "cells_run": len(jobs), "cells_failed": len(failed),
-              "workers": workers}
-    history = json.loads((out / "timing.json").read_text()) if (out / "timing.json").is_file() else []
-    (out / "timing.json").write_text(json.dumps(history + [timing], indent=1))
+    failed, ran, stopped = {}, 0, True
+    try:
+        with closing(_run_parallel(jobs, workers)) as finished:  # any exit ends the running cells
+            for ran, (run_dir, seconds, error) in enumerate(finished, 1):
+                name = Path(run_dir).name
+                status = "FAILED" if error else "done"
+                log(f"  [{ran}/{len(jobs)}] {name}: {status} in {seconds:.0f} s")
+                if error:
+                    failed[name] = error
+        stopped = False
+    finally:  # a stopped run's line too: the time a record accrued is every run's
+        timing = {"wall_seconds": time.perf_counter() - t0, "cells_run": ran,
+                  "cells_failed": len(failed), "workers": workers} | ({"stopped": True} if stopped else {})
+        (out / "failed.json").write_text(json.dumps(failed, indent=1))
+        history = json.loads((out / "timing.json").read_text()) if (out / "timing.json").is_file() else []
+        (out / "timing.json").write_text(json.dumps(history + [timing], indent=1))
     return timing
