@@ -117,9 +117,9 @@ class Auto:
     metrics, step)` returns the switch lines that step's figures completed; `loss` trains with
     the choice in force (centered while staleness is handled and the top-K tensors are
     passed); `resync` says whether staleness is handled, i.e. whether to re-sync the generator
-    at ESS < `tau` (`resync()`). `on_after`, `window`, `off_after`: the hysteresis (k in a row,
-or of the last `window` steps, to switch on; m in a row to switch off). `state_dict` /
-`load_state_dict` for checkpoints."""
+    at ESS < `tau` (`resync()`). `on_after`, `window`, `off_after`: the hysteresis (k in a
+    row, or of the last `window` steps, to switch on; m in a row to switch off). `state_dict`
+    / `load_state_dict` for checkpoints."""
 
     tau = ESS_TAU
 

@@ -142,9 +142,9 @@ class Controller:
     evidence: dict[str, float] = field(default_factory=dict)  # the last step's, for its row
 
     def __post_init__(self) -> None:
-        if self.window is not None and not 1 <= self.on_after <= self.window:
-            raise ValueError(f"auto: on_after={self.on_after} steps of the last "
-                             f"window={self.window} can never be counted: 1 <= on_after <= window")
+        problem = window_problem(self.on_after, self.window)
+        if problem:
+            raise ValueError(f"auto: on_after={problem}")
 
     @property
     def numerical(self) -> str:
@@ -190,6 +190,14 @@ class Controller:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.num, self.stale = Switch(**state["num"]), Switch(**state["stale"])
         self.stale_versions = state["stale_versions"]
+
+
+def window_problem(on_after: int, window: int | None) -> str | None:
+    """Why k = `on_after` steps can never be counted in the last `window` (None: k in a row,
+    always possible); None when they can. The config names its key before it."""
+    if window is None or 1 <= on_after <= window:
+        return None
+    return f"{on_after} steps of the last window={window} can never be counted: set k <= w"
 
 
 def _versions(row: dict[str, Any]) -> float | None:

@@ -84,16 +84,14 @@ def check_registries(cfg: Config) -> None:
 def _check_auto(cfg: Config, estimator: Any, policy: Any) -> None:
     """train.correction=auto chooses the correction and the re-sync: the config must leave
     both to it (tether.auto)."""
-    from tether.auto import Base
+    from tether.auto import Base, window_problem
 
     problem = Base.check(estimator)
     if problem:
         raise ConfigError(f"train.estimator: {problem}")
-    window = cfg.train.auto_window
-    if window is not None and cfg.train.auto_on_after > window:
-        raise ConfigError(
-            f"train.auto_on_after: {cfg.train.auto_on_after} steps of the last "
-            f"train.auto_window={window} can never be counted: set it <= the window")
+    problem = window_problem(cfg.train.auto_on_after, cfg.train.auto_window)
+    if problem:
+        raise ConfigError(f"train.auto_on_after: {problem} (train.auto_window)")
     if policy.measures_ess or cfg.loop.window == "ess":
         raise ConfigError(
             f"train.correction=auto switches the ESS re-sync (and, async, the ESS window) on "

@@ -114,9 +114,7 @@ def restore(dest: str | Path, out: str | Path) -> list[str]:
         names.append(c["name"])
     out.mkdir(parents=True, exist_ok=True)
     meta_path.write_text(json.dumps(meta, indent=1))
-    for kept_once in (*CACHED, TIMING):
-        if (dest / kept_once).is_file() and not (out / kept_once).is_file():
-            shutil.copyfile(dest / kept_once, out / kept_once)
+    _copy_missing(dest, out, (*CACHED, TIMING))
     return names
 
 
@@ -124,9 +122,14 @@ def keep_cached(out: str | Path, dest: str | Path) -> None:
     """Copy what the summary measured once on the starting model (CACHED) from `out` into the
     record `dest` where it lacks it: a report elsewhere then scores the same responses and
     reads the same bias table, with no forward pass of its own."""
-    for name in CACHED:
-        if (Path(out) / name).is_file() and not (Path(dest) / name).is_file():
-            shutil.copyfile(Path(out) / name, Path(dest) / name)
+    _copy_missing(out, dest, CACHED)
+
+
+def _copy_missing(src: str | Path, to: str | Path, names: tuple[str, ...]) -> None:
+    """Each of `names` that `src` holds and `to` lacks, copied into `to`."""
+    for name in names:
+        if (Path(src) / name).is_file() and not (Path(to) / name).is_file():
+            shutil.copyfile(Path(src) / name, Path(to) / name)
 
 
 @contextmanager
