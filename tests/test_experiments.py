@@ -48,6 +48,7 @@ def test_quick_experiment_tables_resume_and_report(name, tmp_path, warm_model_di
     for cell in exp.cells:
         d = out / "cells" / cell.name
         assert (d / "done.json").is_file() and (d / "final" / "config.json").is_file()
+        assert not (d / "checkpoints").exists()  # a done cell is never resumed: no dead weight
         rows = [json.loads(line) for line in (d / "metrics.jsonl").read_text().splitlines()]
         settings = dict(o.split("=", 1) for o in exp.base + list(cell.overrides))  # cell's last
         assert rows[-1]["step"] == int(settings["train.steps"])

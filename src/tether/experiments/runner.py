@@ -4,7 +4,9 @@ Each cell is one `tether.loops.train(cfg)` run in its own directory `OUT/cells/<
 in its own spawned (non-daemonic: an async cell starts rollout worker processes) process
 with one torch thread, at most `workers` at once. A cell is done when its directory holds
 `done.json` (written after `train` returns, next to `final/`); a rerun skips done cells,
-resumes a cell that has a checkpoint and restarts one that has neither. The parent
+resumes a cell that has a checkpoint and restarts one that has neither. A done cell's
+checkpoints are removed (it is never resumed; `final/` keeps its weights): kept, they were
+18 GB of E-AUTO's 71 cells and 27 GB of E-DLC's 108, and filled the disk. The parent
 resolves (builds or finds) the starting model once, so workers never race to build it.
 
 What it simplifies: cells run to completion or fail on their own (a failed cell is
@@ -92,7 +94,7 @@ def _run_cell(job: tuple[list[str], str]) -> tuple[str, float, str | None]:
 
         torch.set_num_threads(1)
         quiet_transformers()
-        from tether.checkpoint import list_checkpoints
+        from tether.checkpoint import CHECKPOINTS, list_checkpoints
         from tether.config import load_config
         from tether.loops import train
 
@@ -107,6 +109,7 @@ def _run_cell(job: tuple[list[str], str]) -> tuple[str, float, str | None]:
         (d / "done.json").write_text(json.dumps({
             "seconds": seconds, "accuracy_before": result.accuracy_before,
             "accuracy_after": result.accuracy_after, "resumed": resume}))
+        shutil.rmtree(d / CHECKPOINTS, ignore_errors=True)  # done: never resumed (docstring)
         return run_dir, seconds, None
     except Exception:  # noqa: BLE001 - one failed cell must not stop the matrix; see failed.json
         return run_dir, time.perf_counter() - t0, traceback.format_exc(limit=4)
