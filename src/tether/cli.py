@@ -253,12 +253,12 @@ def _cmd_report(args: argparse.Namespace) -> int:
     from tether.experiments import record, record_tables
     from tether.report import build_report
 
-    out = args.dir
+    out, summary = args.dir, None
     if record.is_record(out):  # a committed record: its cells unpacked where a report can live
         out = record.unpacked(out)
-        record_tables(args.dir, out)
+        summary = record_tables(args.dir, out)  # the report reads this summary: one pass, not two
         print(f"record {args.dir} restored into {out}; its tables rewritten: {args.dir}/{record.TABLES}")
-    html_path, md_path, figures = build_report(out)
+    html_path, md_path, figures = build_report(out, summary=summary)
     print(f"report: {html_path}")
     print(f"summary: {md_path}")
     for path in figures:

@@ -355,8 +355,10 @@ def _epsilon_caption(g: dict) -> str:
             f"pooled raw E[ρ²A²]/E[A²] {a.get('adv_second_moment')}:")
 
 
-def build_report(out: str | Path, command: str | None = None) -> tuple[Path, Path, list[Path]]:
-    """Write OUT/report/{index.html, summary.md, *.png}; return (html, md, figure paths)."""
+def build_report(out: str | Path, command: str | None = None,
+                 summary: dict | None = None) -> tuple[Path, Path, list[Path]]:
+    """Write OUT/report/{index.html, summary.md, *.png}; return (html, md, figure paths).
+    `summary`: OUT's, already computed (`tether report RECORD` has it from the record's tables)."""
     import torch
 
     torch.set_num_threads(1)  # tiny models: a second thread only contends
@@ -367,7 +369,8 @@ def build_report(out: str | Path, command: str | None = None) -> tuple[Path, Pat
                          "run `tether experiment NAME --out DIR` first")
     meta = analysis.load_meta(out)
     module = get(meta["name"])
-    summary = analysis.summarize(out, extend=getattr(module, "extend", None))
+    if summary is None:
+        summary = analysis.summarize(out, extend=getattr(module, "extend", None))
     figdir = out / "report"
     figdir.mkdir(exist_ok=True)
     figs = make_figures(out, meta, summary, figdir)

@@ -24,6 +24,7 @@ from typing import Any, Self
 
 from tqdm import tqdm
 
+from tether.advice import batch_of
 from tether.checkpoint import RunState, checkpoint_due, latest_checkpoint, save_checkpoint
 from tether.config import DiagnosticsConfig
 from tether.distributed import start_ranks
@@ -126,12 +127,10 @@ class Session:
         cfg = self.run.cfg
         if not cfg.log.dump_logprobs:
             return None
-        r = cfg.rollout
         dump = DumpWriter(self.run.run_dir / "logprobs.jsonl", keep_until=self.start,
                           source="tether", estimator=cfg.train.estimator,
-                          batch=r.prompts_per_step * r.group_size // cfg.train.minibatches,
-                          generator=r.precision, trainer=cfg.train.precision,
-                          sync_policy=cfg.sync.policy)
+                          batch=batch_of(cfg.model_dump()), generator=cfg.rollout.precision,
+                          trainer=cfg.train.precision, sync_policy=cfg.sync.policy)
         self._close.append(dump.close)
         return dump
 
