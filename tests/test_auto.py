@@ -6,6 +6,7 @@ tests/test_auto_run.py."""
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
@@ -38,8 +39,8 @@ def row(numerical: bool = False, stale: bool = False, heavy: bool = False,
 
 
 def drive(rows: list[dict], k: int = ON_AFTER, m: int = OFF_AFTER,
-          w: int | None = None) -> tuple[Controller, list]:
-    c = Controller(N, k, m, w)
+          w: int | None = None, pool: int | None = None) -> tuple[Controller, list]:
+    c = Controller(N, k, m, w, pool)
     changes = []
     for step, r in enumerate(rows, start=1):
         changes += c.observe(r, step)
@@ -65,6 +66,29 @@ def test_flapping_evidence_never_switches_in_a_row_and_does_in_a_window():
     assert drive(rows, m=10, w=5)[1] == [(5, "numerical", "none", "cis")]
     # Isolated dips (2 of any 5 at most) never switch, in a window either.
     assert drive([row(stale=True), row(), row()] * 10, w=5)[1] == []
+
+
+def test_pooled_evidence_judges_the_last_steps_as_inspect_judges_a_run():
+    # Numerical evidence on every other step: pooled over 2 steps, the mean sequence chi2
+    # ((2e-2 + 1e-4) / 2) is over 1/N on every step, so it turns on after k = 3 steps.
+    flapping = [row(numerical=True), row()] * 10
+    assert drive(flapping)[1] == []
+    assert drive(flapping, pool=2)[1] == [(3, "numerical", "none", "cis")]
+    # One staleness dip, pooled over 5 steps: the lowest ESS keeps it material on its step and
+    # the 4 after it, so on after the 3rd; off after m negligible pools in a row (steps 8-13).
+    dip = [row()] * 2 + [row(stale=True)] + [row()] * 15
+    assert drive(dip)[1] == []
+    assert drive(dip, pool=5)[1] == [(5, "staleness", "plain", "resync"),
+                                     (7 + OFF_AFTER, "staleness", "resync", "plain")]
+    # A checkpoint carries the pool: a controller restored mid-pool switches as a straight one.
+    c, first = drive(dip[:4], pool=5)
+    d = Controller(N, pool=5)
+    d.load_state_dict(json.loads(json.dumps(c.state_dict())))
+    rest = [(ch.step, ch.cause, ch.old, ch.new)
+            for step, r in enumerate(dip[4:], start=5) for ch in d.observe(r, step)]
+    assert first + rest == drive(dip, pool=5)[1]
+    with pytest.raises(ValueError, match="pool=0"):
+        Controller(N, pool=0)
 
 
 def test_a_streak_broken_once_starts_again():

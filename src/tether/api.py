@@ -118,15 +118,17 @@ class Auto:
     the choice in force (centered while staleness is handled and the top-K tensors are
     passed); `resync` says whether staleness is handled, i.e. whether to re-sync the generator
     at ESS < `tau` (`resync()`). `on_after`, `window`, `off_after`: the hysteresis (k in a
-    row, or of the last `window` steps, to switch on; m in a row to switch off). `state_dict`
-    / `load_state_dict` for checkpoints."""
+    row, or of the last `window` steps, to switch on; m in a row to switch off); `pool`: judge
+    each step on the last `pool` steps' figures pooled. `state_dict` / `load_state_dict` for
+    checkpoints."""
 
     tau = ESS_TAU
 
     def __init__(self, estimator: str = "grpo", *, batch: int, on_after: int = ON_AFTER,
-                 window: int | None = None, off_after: int = OFF_AFTER, **params: Any):
+                 window: int | None = None, off_after: int = OFF_AFTER,
+                 pool: int | None = None, **params: Any):
         self.base = Base.of(estimator, params)
-        self.controller = Controller(batch, on_after, off_after, window)
+        self.controller = Controller(batch, on_after, off_after, window, pool)
         self._built: dict[tuple[str, str], Estimator] = {}
 
     @property

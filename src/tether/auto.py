@@ -28,6 +28,12 @@ costs bounded variance. A window w > k (`window`: k of the last w steps) is for 
 fires on some steps only, near its threshold; measured (E-AUTO, RESULTS.md) at k = 3 of 5
 with m = 10 it was not better than k in a row, so the default stays k in a row.
 
+Pooled evidence (`pool`: w steps). One step's figure is one batch's estimate of a cause that
+is constant (a precision) or builds (a lag): near its threshold it fires on some steps only.
+With `pool`, each step is judged on the last w steps' rows pooled as `tether inspect` pools a
+whole run (tether.advice.evidence_from_rows: the mean sequence chi2, the lowest token ESS, the
+tail on most steps), and the hysteresis counts those judgements.
+
 A re-sync removes staleness's evidence along with its cause: after one, the batches are
 fresh and their ESS is high until the lag builds back. So while re-syncing, a negligible
 step counts towards switching off only when its batch is at least as many versions stale
@@ -136,15 +142,19 @@ class Controller:
     on_after: int = ON_AFTER
     off_after: int = OFF_AFTER
     window: int | None = None  # w: count k over the last w steps; None: k in a row (w = k)
+    pool: int | None = None  # judge each step on the last `pool` steps' rows pooled; None: its own
     num: Switch = field(default_factory=lambda: Switch("none"))
     stale: Switch = field(default_factory=lambda: Switch("plain"))
     stale_versions: float | None = None  # how stale (versions) the last material batch was
     evidence: dict[str, float] = field(default_factory=dict)  # the last step's, for its row
+    pooled: list[dict[str, float]] = field(default_factory=list)  # the rows `pool` judges
 
     def __post_init__(self) -> None:
         problem = window_problem(self.on_after, self.window)
         if problem:
             raise ValueError(f"auto: on_after={problem}")
+        if self.pool is not None and self.pool < 1:
+            raise ValueError(f"auto: pool={self.pool} must be at least 1 step")
 
     @property
     def numerical(self) -> str:
@@ -156,7 +166,8 @@ class Controller:
 
     def observe(self, row: dict[str, Any], step: int) -> list[Change]:
         """One step's logged metrics (1-based `step`); the switches they completed."""
-        e = evidence_from_rows([row], self.batch)
+        self.pooled = (self.pooled + [_evidence_of(row)])[-(self.pool or 1):]
+        e = evidence_from_rows(self.pooled, self.batch)
         numerical, staleness, lines = targets(e)
         staleness = self._staleness_evidence(staleness, row, e)
         self.evidence = _figures(e, self.batch)
@@ -185,11 +196,12 @@ class Controller:
 
     def state_dict(self) -> dict[str, Any]:
         return {"num": asdict(self.num), "stale": asdict(self.stale),
-                "stale_versions": self.stale_versions}
+                "stale_versions": self.stale_versions, "pooled": self.pooled}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.num, self.stale = Switch(**state["num"]), Switch(**state["stale"])
         self.stale_versions = state["stale_versions"]
+        self.pooled = state.get("pooled", [])  # absent: a checkpoint from before `pool`
 
 
 def window_problem(on_after: int, window: int | None) -> str | None:
@@ -198,6 +210,16 @@ def window_problem(on_after: int, window: int | None) -> str | None:
     if window is None or 1 <= on_after <= window:
         return None
     return f"{on_after} steps of the last window={window} can never be counted: set k <= w"
+
+
+# What tether.advice.evidence_from_rows reads of a row: all `pool` keeps of one.
+EVIDENCE_KEYS = ("numerical/k3_kl/mean", "numerical/ess/seq", "numerical/abs_log_ratio/max",
+                 "numerical/routing_disagreement/any_layer", "staleness/k3_kl/mean",
+                 "staleness/ess/token")
+
+
+def _evidence_of(row: dict[str, Any]) -> dict[str, float]:
+    return {k: row[k] for k in EVIDENCE_KEYS if k in row}
 
 
 def _versions(row: dict[str, Any]) -> float | None:

@@ -157,6 +157,10 @@ class TrainConfig(Node):
     auto_window: int | None = Field(None, ge=1, description=(
         "train.correction=auto: count auto_on_after over the last w steps (w >= k), for "
         "evidence that fires on some steps only. Empty: k steps in a row."))
+    auto_pool: int | None = Field(None, ge=1, description=(
+        "train.correction=auto: judge each step on the last w steps' metrics pooled as "
+        "`tether inspect` pools a run (mean sequence chi2, lowest token ESS), for a cause "
+        "whose per-step figure flickers near its threshold. Empty: each step on its own."))
     auto_off_after: int = Field(6, ge=1, description=(
         "train.correction=auto: steps in a row a cause must call for none before its "
         "correction is switched off (m)."))

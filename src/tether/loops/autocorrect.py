@@ -39,7 +39,8 @@ class Correction:
         if t.correction != "auto":
             return cls(run, None, gate, scheduler)
         rule = Auto(t.estimator, batch=batch_of(run.cfg.model_dump()), on_after=t.auto_on_after,
-                    window=t.auto_window, off_after=t.auto_off_after, **t.estimator_params)
+                    window=t.auto_window, pool=t.auto_pool, off_after=t.auto_off_after,
+                    **t.estimator_params)
         return cls(run, rule, gate, scheduler)
 
     def __init__(self, run: Run, rule: Auto | None, gate: StalenessGate,
