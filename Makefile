@@ -46,9 +46,10 @@ test: install install-vllm install-verl
 	$(VENV)-verl/bin/python -m pytest -p no:cacheprovider tests/test_verl.py
 
 # The slow tier, one test at a time: Ray actors, trainer ranks, experiment cells, vLLM engines
-# and fault injection start processes of their own.
+# and fault injection start processes of their own. The 20 longest are listed: the tier is
+# most of CI's time (docs/testing.md).
 test-slow: install install-vllm
-	$(BIN)/python -m pytest -m slow
+	$(BIN)/python -m pytest -m slow --durations=20
 
 # Every Hypothesis property at >= 300 examples from a fresh random start (CI runs it once).
 test-properties: install

@@ -156,6 +156,10 @@ def test_quick_experiment_tables_resume_and_report(name, tmp_path, warm_model_di
     assert json.loads((fresh / "timing.json").read_text())[-1]["cells_run"] == 0
     assert json.loads((fresh / "experiment.json").read_text())["notes"] == meta["notes"] + ["X: an earlier slice's group"]
     assert record.restore(tmp_path / "record", fresh) == []  # nothing it lacks
+    # A first --record into a directory not there yet: the run's cells and its tables go in.
+    assert main(args + ["--record", str(tmp_path / "new-record")]) == 0
+    assert record.is_record(tmp_path / "new-record")
+    assert (tmp_path / "new-record" / record.TABLES).is_file()
     if name == "dlc":  # the command's --record and `tether report RECORD`: the same tables
         rec, again = tmp_path / "record", tmp_path / "again"
         assert main(args[:4] + [str(again), "--record", str(rec)]) == 0  # restores, runs none

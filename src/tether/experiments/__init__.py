@@ -66,6 +66,7 @@ def record_tables(dest: str | Path, out: str | Path) -> dict:
     """Summarise `out` (the record `dest` restored, with any cells added) and write its tables
     to `dest`/tables.md, which tests/test_records.py regenerates from the record alone."""
     summary, md = summary_tables(out)
+    Path(dest).mkdir(parents=True, exist_ok=True)  # a first --record: the cells are saved after
     (Path(dest) / record.TABLES).write_text(md)
     record.keep_cached(out, dest)  # what the summary measured on the starting model, once
     return summary
