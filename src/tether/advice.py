@@ -179,6 +179,12 @@ def format_advice(e: Evidence, rec: Recommendation, why: bool = True, width: int
     return "\n".join(lines + ([textwrap.fill(rec.why, width)] if why else []))
 
 
+# Every metric evidence_from_rows reads of a row (tether.auto's pool keeps only these).
+EVIDENCE_KEYS = ("numerical/k3_kl/mean", "numerical/ess/seq", "numerical/abs_log_ratio/max",
+                 "numerical/routing_disagreement/any_layer", "staleness/k3_kl/mean",
+                 "staleness/ess/token")
+
+
 def evidence_from_rows(rows: list[dict[str, Any]], batch: int) -> Evidence | None:
     """What a run logged (`tether inspect`, the end of `tether train`, `tether.api.advise`):
     the mean numerical k3 and sequence chi2 (1/ESS - 1 of numerical/ess/seq), the mean
@@ -186,6 +192,7 @@ def evidence_from_rows(rows: list[dict[str, Any]], batch: int) -> Evidence | Non
     tail share is not logged: a run counts as heavy-tailed when most steps saw a token
     outside [1/2, 2] (numerical/abs_log_ratio/max > log 2). None without mismatch rows."""
     def values(key: str) -> list[float]:
+        assert key in EVIDENCE_KEYS  # a key read here and not listed would be lost to a pool
         return [float(r[key]) for r in rows if isinstance(r.get(key), (int, float))
                 and not isinstance(r.get(key), bool) and math.isfinite(r[key])]
 

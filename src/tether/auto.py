@@ -51,6 +51,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from tether.advice import (
+    EVIDENCE_KEYS,
     ROUTING_SHARE,
     Evidence,
     evidence_from_rows,
@@ -212,13 +213,8 @@ def window_problem(on_after: int, window: int | None) -> str | None:
     return f"{on_after} steps of the last window={window} can never be counted: set k <= w"
 
 
-# What tether.advice.evidence_from_rows reads of a row: all `pool` keeps of one.
-EVIDENCE_KEYS = ("numerical/k3_kl/mean", "numerical/ess/seq", "numerical/abs_log_ratio/max",
-                 "numerical/routing_disagreement/any_layer", "staleness/k3_kl/mean",
-                 "staleness/ess/token")
-
-
 def _evidence_of(row: dict[str, Any]) -> dict[str, float]:
+    """What `pool` keeps of a row: the metrics evidence_from_rows reads (EVIDENCE_KEYS)."""
     return {k: row[k] for k in EVIDENCE_KEYS if k in row}
 
 
