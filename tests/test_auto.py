@@ -19,7 +19,7 @@ from tether.config import ConfigError, load_config
 from tether.estimators import build_estimator
 from tether.trainer import Trainer
 from tether.weights.gate import StalenessGate
-from tether.weights.policy import EssTrigger, EveryK, Switched
+from tether.weights.policy import BoundedK, EssTrigger, EveryK, Switched
 
 N = 256  # 32 prompts x 8 samples: the numerical bar 1/N = 3.9e-3
 
@@ -241,8 +241,12 @@ def test_trainer_use_rebuilds_only_a_new_spec(random_model):
 
 
 def test_switched_policy_follows_the_choice():
-    p = Switched(EveryK(1), EssTrigger(ESS_TAU))
-    assert p.spec == "every:1" and not p.measures_ess and not p.trips(0.1)
+    """The configured policy's schedule while plain, the re-sync's while handled; the ESS
+    trigger armed in both (a batch past DLC's drift point re-syncs at once, as dlc's)."""
+    p = Switched(BoundedK(4), EssTrigger(ESS_TAU))
+    assert p.spec == "bounded:4" and p.measures_ess and p.trips(0.49) and not p.trips(0.5)
+    assert not p.publishes(behind=3, blocked=False, tripped=False)  # lazily, as bounded:4
+    assert p.publishes(behind=3, blocked=False, tripped=True)  # a trip publishes at once
     p.on = True
     assert p.spec == "ess:0.5" and p.measures_ess and p.trips(0.49) and not p.trips(0.5)
     assert p.publishes(behind=3, blocked=False, tripped=True)

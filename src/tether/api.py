@@ -13,7 +13,7 @@ Shapes (B, T) for B responses of T tokens; mask 1 on the response tokens; no con
     auto = api.Auto("grpo", batch=B)                    # train.correction=auto, for any loop
     out = auto.loss(logp=new, logp_old=old, logp_rollout=mu, advantages=adv, mask=mask)
     lines = auto.observe(metrics, step)                 # after the step: the switches it made
-    if auto.resync: ...                                 # staleness handled: re-sync at ESS < 0.5
+    ess, resync = api.resync(new, old, mask, auto.tau)  # armed whatever auto chose
 
 What the log-probs a framework has can tell apart (docs/integrations.md):
     mu, pi_old, pi_theta   numerical, staleness and total

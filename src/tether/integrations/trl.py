@@ -274,7 +274,7 @@ class TetherGRPOTrainer(GRPOTrainer):
         tau = self.resync_tau
         if self._auto is not None and mode == "train":
             self._auto_split.append(split)
-            tau = self._auto.tau if self._auto.resync else None
+            tau = self._auto.tau  # the re-sync's trigger is armed in either choice
         if tau is not None and mode == "train":
             ess, trip = api.resync(logp, old, mask, tau)
             self._metrics[mode]["sync/ess/token"].append(ess)

@@ -155,7 +155,14 @@ class ResyncK:
 class Switched:
     """train.correction=auto: the configured policy (`plain`), or the ESS re-sync (`resync`)
     while auto handles staleness (`on`, set by tether.loops.autocorrect). The gate, the
-    synchronizer and the scheduler share this one object, so a switch reaches all three."""
+    synchronizer and the scheduler share this one object, so a switch reaches all three.
+
+    The re-sync's trigger is armed throughout: a batch whose ESS falls below its TAU re-syncs
+    the generator whatever auto's choice, as dlc's does. A step past DLC's drift point is its
+    own evidence; waiting for the k-step streak that switches the handling on let the lag
+    build on (E-AUTO, RESULTS.md). It costs nothing until it trips: a batch sampled at the
+    trainer's weights has ESS 1 without a forward, a stale one is read off the training
+    forward (sync.on_trip=train)."""
 
     plain: SyncPolicy
     resync: SyncPolicy
@@ -169,21 +176,19 @@ class Switched:
     def spec(self) -> str:
         return self.current.spec
 
-    @property
-    def measures_ess(self) -> bool:
-        return self.current.measures_ess
+    measures_ess = True  # the trigger is armed in either choice
 
     def routine(self, step: int, trainer_version: int, generator_version: int) -> bool:
         return self.current.routine(step, trainer_version, generator_version)
 
     def trips(self, ess: float) -> bool:
-        return self.current.trips(ess)
+        return self.resync.trips(ess)
 
     def overdue(self, steps_since_resync: int) -> bool:
         return self.current.overdue(steps_since_resync)
 
     def publishes(self, behind: int, blocked: bool, tripped: bool) -> bool:
-        return self.current.publishes(behind, blocked, tripped)
+        return tripped or self.current.publishes(behind, blocked, tripped)
 
 
 # The forms of a policy spec: (syntax, an example or "", what it does). The one statement of
