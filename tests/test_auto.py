@@ -19,7 +19,7 @@ from tether.config import ConfigError, load_config
 from tether.estimators import build_estimator
 from tether.trainer import Trainer
 from tether.weights.gate import StalenessGate
-from tether.weights.policy import BoundedK, EssTrigger, EveryK, Switched
+from tether.weights.policy import BoundedK, EssTrigger, Switched
 
 N = 256  # 32 prompts x 8 samples: the numerical bar 1/N = 3.9e-3
 
@@ -78,8 +78,8 @@ def test_pooled_evidence_judges_the_last_steps_as_inspect_judges_a_run():
     # the 4 after it, so on after the 3rd; off after m negligible pools in a row (steps 8-13).
     dip = [row()] * 2 + [row(stale=True)] + [row()] * 15
     assert drive(dip)[1] == []
-    assert drive(dip, pool=5)[1] == [(5, "staleness", "plain", "resync"),
-                                     (7 + OFF_AFTER, "staleness", "resync", "plain")]
+    assert drive(dip, pool=5)[1] == [(5, "staleness", "plain", "dlc"),
+                                     (7 + OFF_AFTER, "staleness", "dlc", "plain")]
     # A checkpoint carries the pool: a controller restored mid-pool switches as a straight one.
     c, first = drive(dip[:4], pool=5)
     d = Controller(N, pool=5)
@@ -93,16 +93,16 @@ def test_pooled_evidence_judges_the_last_steps_as_inspect_judges_a_run():
 
 def test_a_streak_broken_once_starts_again():
     rows = [row(stale=True)] * 2 + [row()] + [row(stale=True)] * 3
-    assert drive(rows)[1] == [(6, "staleness", "plain", "resync")]
-    assert drive(rows, w=5)[1] == [(4, "staleness", "plain", "resync")]  # steps 1, 2, 4 of 1-5
+    assert drive(rows)[1] == [(6, "staleness", "plain", "dlc")]
+    assert drive(rows, w=5)[1] == [(4, "staleness", "plain", "dlc")]  # steps 1, 2, 4 of 1-5
     # The window counts only its last w steps: material at 1, 2 and 7 is never 3 in 5.
     assert drive([row(stale=True)] * 2 + [row()] * 4 + [row(stale=True)] + [row()] * 3,
                  w=5)[1] == []
     # Once on, one negligible step among material ones does not turn it off, nor m - 1 of them.
     rows = [row(stale=True)] * 3 + [row()] * (OFF_AFTER - 1) + [row(stale=True)] + [row()] * OFF_AFTER
     for w in (None, 5):
-        assert drive(rows, w=w)[1] == [(3, "staleness", "plain", "resync"),
-                                       (3 + OFF_AFTER + OFF_AFTER, "staleness", "resync", "plain")]
+        assert drive(rows, w=w)[1] == [(3, "staleness", "plain", "dlc"),
+                                       (3 + OFF_AFTER + OFF_AFTER, "staleness", "dlc", "plain")]
 
 
 def test_the_kind_changes_after_k_steps_of_the_other_kind():
@@ -118,9 +118,9 @@ def test_the_kind_changes_after_k_steps_of_the_other_kind():
 def test_both_causes_switch_independently():
     rows = [row(numerical=True, stale=True)] * 3 + [row(stale=True)] * OFF_AFTER
     c, changes = drive(rows)
-    assert changes == [(3, "numerical", "none", "cis"), (3, "staleness", "plain", "resync"),
+    assert changes == [(3, "numerical", "none", "cis"), (3, "staleness", "plain", "dlc"),
                        (3 + OFF_AFTER, "numerical", "cis", "none")]
-    assert c.staleness == "resync"
+    assert c.staleness == "dlc"
 
 
 def test_targets_follow_the_advice_rules():
@@ -135,7 +135,7 @@ def test_targets_follow_the_advice_rules():
     assert t(row(numerical=True, routing=ROUTING_SHARE + 0.01)) == ("icepop", "plain")
     assert t(row(numerical=True, routing=ROUTING_SHARE - 0.01)) == ("cis", "plain")
     assert t(row(heavy=True)) == ("none", "plain")  # a peak alone is not a material cause
-    assert t(row(stale=True)) == ("none", "resync")
+    assert t(row(stale=True)) == ("none", "dlc")
     assert targets(None)[:2] == ("none", "plain")  # nothing logged: no evidence to correct
     # The bar itself: ESS exactly at tau + margin is not material.
     at_bar = {**row(), "staleness/k3_kl/mean": 0.1, "staleness/ess/token": ESS_TAU + ESS_MARGIN}
@@ -173,7 +173,7 @@ def test_controller_state_round_trips():
 def test_change_line_names_step_cause_figure_and_threshold():
     c = Controller(N, 1, 1)
     (change,) = c.observe(row(stale=True), 7)
-    assert change.line.startswith("tether: auto: staleness plain -> resync from step 8 (")
+    assert change.line.startswith("tether: auto: staleness plain -> dlc from step 8 (")
     assert "lowest token ESS 0.600 < 0.7" in change.line
     assert c.evidence["auto/staleness/ess"] == pytest.approx(0.6)
     assert c.evidence["auto/numerical/bar"] == pytest.approx(1 / N)
@@ -196,13 +196,13 @@ def test_each_choice_composes_the_users_objective():
         assert e.params["clip_high"] == 0.3  # the user's parameters are kept
     # Staleness handled: grpo's own ratio pi_theta/pi_old (clipped) weights it, centered when
     # the batch has the top-K (dlc_clip's form).
-    assert grpo.estimator("center", "resync").spec == build_estimator("dlc_clip", clip_high=0.3).spec
-    assert grpo.estimator("cis", "resync").spec[:3] == ("ppo", "cis", False)  # no top-K: the cap
+    assert grpo.estimator("center", "dlc").spec == build_estimator("dlc_clip", clip_high=0.3).spec
+    assert grpo.estimator("cis", "dlc").spec[:3] == ("ppo", "cis", False)  # no top-K: the cap
     # naive (pg) has no ratio: stale_is stands in while staleness is handled; both is dlc.
     naive = Base.of("naive", {})
     assert naive.estimator("none", "plain").spec[:3] == ("pg", "none", False)
-    assert naive.estimator("none", "resync").spec[:3] == ("stale_is", "none", False)
-    assert naive.estimator("center", "resync").spec == build_estimator("dlc").spec
+    assert naive.estimator("none", "dlc").spec[:3] == ("stale_is", "none", False)
+    assert naive.estimator("center", "dlc").spec == build_estimator("dlc").spec
     assert naive.can_center and grpo.can_center and not Base.of("vespo", {}).can_center
 
 
@@ -215,17 +215,17 @@ def test_the_rule_on_tensors_centers_while_staleness_is_handled():
     assert auto.choice(has_topk=True) == ("cis", "plain")  # numerical alone: the cap
     lines = auto.observe(row(stale=True), 2)  # staleness: DLC's handling, the cap turned off
     assert [line.split(" from ")[0] for line in lines] == [
-        "tether: auto: numerical cis -> none", "tether: auto: staleness plain -> resync"]
-    assert auto.resync and auto.centers
-    assert auto.choice(has_topk=True) == ("center", "resync")
-    assert auto.choice(has_topk=False) == ("none", "resync")  # no top-K: uncentered
+        "tether: auto: numerical cis -> none", "tether: auto: staleness plain -> dlc"]
+    assert auto.handles_staleness and auto.centers
+    assert auto.choice(has_topk=True) == ("center", "dlc")
+    assert auto.choice(has_topk=False) == ("none", "dlc")  # no top-K: uncentered
     assert auto.codes(has_topk=True) == {"auto/numerical": 3.0, "auto/staleness": 1.0}
     assert auto.estimator(has_topk=True).spec[:3] == ("ppo", "none", True)
     with pytest.raises(ValueError, match="on_after=4 steps of the last window=3"):
         Auto("grpo", batch=N, on_after=4, window=3)
     vespo = Auto("vespo", batch=N, on_after=1, off_after=1)
     vespo.observe(row(numerical=True, stale=True), 1)
-    assert not vespo.centers and vespo.choice(has_topk=True) == ("cis", "resync")  # no head weight
+    assert not vespo.centers and vespo.choice(has_topk=True) == ("cis", "dlc")  # no head weight
 
 
 def test_trainer_use_rebuilds_only_a_new_spec(random_model):
@@ -258,9 +258,9 @@ def test_config_rules():
     assert not isinstance(StalenessGate.of(load_config(None, [])).policy, Switched)
     with pytest.raises(ConfigError, match="train.estimator: train.correction=auto chooses"):
         load_config(None, ["train.correction=auto", "train.estimator=tis"])
-    with pytest.raises(ConfigError, match="switches the ESS re-sync"):
+    with pytest.raises(ConfigError, match="arms the ESS re-sync at 0.5 itself"):
         load_config(None, ["train.correction=auto", "sync.policy=ess:0.5"])
-    with pytest.raises(ConfigError, match="switches the ESS re-sync"):
+    with pytest.raises(ConfigError, match="arms the ESS re-sync at 0.5 itself"):
         load_config(None, ["train.correction=auto", "loop.mode=async", "loop.window=ess",
                            "sync.policy=bounded:2", "loop.max_staleness=2"])
     with pytest.raises(ConfigError, match="train.auto_on_after"):
@@ -287,13 +287,13 @@ def test_a_resync_hides_staleness_until_the_lag_builds_back():
     # high ESS are no evidence, however many; at 8 or more versions they count again.
     rows = [at(8, True)] * 3 + [at(v, False) for v in range(1, 8)] * 2 + [at(9, False)] * OFF_AFTER
     _, changes = drive(rows)
-    assert changes == [(3, "staleness", "plain", "resync"),
-                       (3 + 14 + OFF_AFTER, "staleness", "resync", "plain")]
+    assert changes == [(3, "staleness", "plain", "dlc"),
+                       (3 + 14 + OFF_AFTER, "staleness", "dlc", "plain")]
     # A fresh step breaks no streak: two stale-enough negligible steps, a fresh one, m - 2 more.
     rows = [at(8, True)] * 3 + [at(8, False)] * 2 + [at(1, False)] + [at(8, False)] * (OFF_AFTER - 2)
-    assert drive(rows)[1][-1] == (4 + OFF_AFTER, "staleness", "resync", "plain")
+    assert drive(rows)[1][-1] == (4 + OFF_AFTER, "staleness", "dlc", "plain")
     # No lag at all (k3 and the ratio at rounding): off after m steps, fresh or not.
     gone = {**row(), "staleness/k3_kl/mean": 0.0, "staleness/ess/token": 1.0,
             "staleness/versions/batch": 0.0}
     assert drive([at(8, True)] * 3 + [gone] * OFF_AFTER)[1][-1] == \
-        (3 + OFF_AFTER, "staleness", "resync", "plain")
+        (3 + OFF_AFTER, "staleness", "dlc", "plain")

@@ -392,7 +392,7 @@ def test_auto_verdicts_from_their_bars():
     s = _summary(groups)
     s["reference_last3"] = float(np.mean(ref))
     s["groups"] = [{"scenario": "exact", "method": "auto", "corrected_steps": 0.0,
-                    "resync_steps": 0.0, "topk_steps": 0.0, "resyncs": 0.0}]
+                    "dlc_steps": 0.0, "topk_steps": 0.0, "resyncs": 0.0}]
     got = {r["bar"]: r["verdict"] for r in get("auto").verdicts(s)}
     # exact: tis and cis are naive's rows (ALIASES); auto level with the best.
     assert got["exact: auto within the best preset's 95% interval"] == "met"
@@ -402,7 +402,7 @@ def test_auto_verdicts_from_their_bars():
     assert got["lag_from30: auto above naive (cheap at its start)"].startswith("met (interval: met")
     assert got["lag_from30: auto above cis (cheap at its start)"].startswith("not met")  # level
     assert got["exact: auto applies no correction, no re-sync, no top-K"] == "met"
-    s["groups"][0]["resync_steps"] = 2.0
+    s["groups"][0]["dlc_steps"] = 2.0
     assert {r["bar"]: r["verdict"] for r in get("auto").verdicts(s)}[
         "exact: auto applies no correction, no re-sync, no top-K"] == "not met"
     # auto below the best preset's interval, and the lowest of all somewhere: both not met.

@@ -3,11 +3,16 @@ regenerates, from its cells alone, the tables it carries (`tables.md`, which `te
 RECORD` writes). A change to the analysis that moves a committed figure fails here until the
 record's tables are regenerated, and RESULTS.md with them."""
 
+import gzip
 import json
 from pathlib import Path
 
 import pytest
 
+from tests.auto_replay import logged, replayed
+from tether.advice import batch_of
+from tether.auto import Controller
+from tether.config import load_config
 from tether.experiments import record, summary_tables
 
 RESULTS = Path(__file__).resolve().parents[1] / "results"
@@ -36,3 +41,22 @@ def test_a_record_restores_and_regenerates_its_tables(rec, tmp_path):
 
 def _name(rec: Path) -> str:
     return json.loads((rec / "experiment.json").read_text())["name"]
+
+
+@pytest.mark.parametrize("rec", [d for d in RECORDS if _name(d) == "auto"],
+                         ids=lambda d: d.name)
+def test_a_records_auto_choices_replay_under_todays_rule(rec):
+    """Every recorded auto cell logged, at each step, the choice today's controller makes from
+    the step's logged figures. A change to the rule that moves a recorded choice fails here
+    until the record's auto cells are run again: seeds run under two rules would be pooled
+    into one sample (as three of `results/auto-power`'s were, before this test)."""
+    meta = json.loads((rec / "experiment.json").read_text())
+    cells = [c for c in meta["cells"] if c["method"] == "auto"]
+    assert cells
+    for c in cells:
+        t = load_config(None, meta["base"] + c["overrides"])
+        with gzip.open(rec / "cells" / c["name"] / "metrics.jsonl.gz", "rt") as f:
+            rows = [r for r in map(json.loads, f) if "auto/numerical" in r]
+        rule = Controller(batch_of(t.model_dump()), t.train.auto_on_after,
+                          t.train.auto_off_after, t.train.auto_window, t.train.auto_pool)
+        assert logged(rows) == replayed(rows, rule), c["name"]

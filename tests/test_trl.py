@@ -190,7 +190,7 @@ def test_auto_chooses_the_correction_from_each_steps_split(warm_model_dir, tmp_p
     assert logged(t, "auto/staleness") == [0.0, 0.0, 0.0]  # one optimizer step a generation
     assert "tether: auto: numerical none -> cis from step 2" in capsys.readouterr().err
     assert t._auto.estimator().spec[:2] == ("ppo", "cis")  # grpo's objective, cis's weight
-    with pytest.raises(ValueError, match="chooses the ESS re-sync"):
+    with pytest.raises(ValueError, match="arms the ESS re-sync"):
         trainer(warm_model_dir, tmp_path, correction="auto", resync_tau=0.5)
     with pytest.raises(ValueError, match="correction='bogus'"):
         trainer(warm_model_dir, tmp_path, correction="bogus")

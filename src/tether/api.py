@@ -116,8 +116,9 @@ class Auto:
     `batch`: N, the responses in one optimizer step. After each step, `observe(split(...)
     metrics, step)` returns the switch lines that step's figures completed; `loss` trains with
     the choice in force (centered while staleness is handled and the top-K tensors are
-    passed); `resync` says whether staleness is handled, i.e. whether to re-sync the generator
-    at ESS < `tau` (`resync()`). `on_after`, `window`, `off_after`: the hysteresis (k in a
+    passed); `handles_staleness` says whether DLC's handling is on. Re-sync the generator
+    whenever a batch's ESS falls below `tau` (`resync()`), whatever the choice: the trigger is
+    armed in both, as dlc's. `on_after`, `window`, `off_after`: the hysteresis (k in a
     row, or of the last `window` steps, to switch on; m in a row to switch off); `pool`: judge
     each step on the last `pool` steps' figures pooled. `state_dict` / `load_state_dict` for
     checkpoints."""
@@ -138,19 +139,19 @@ class Auto:
 
     @property
     def staleness(self) -> str:
-        """plain or resync."""
+        """plain or dlc (DLC's handling: centering, the re-sync's schedule, the ESS window)."""
         return self.controller.staleness
 
     @property
-    def resync(self) -> bool:
-        return self.staleness == "resync"
+    def handles_staleness(self) -> bool:
+        return self.staleness == "dlc"
 
     @property
     def centers(self) -> bool:
         """Staleness handled: DLC's centering over the generator's top-K, which also corrects
         the numerical part (pass the top-K tensors to `loss`; without them the loss uses
         `numerical`'s cap instead)."""
-        return self.resync and self.base.can_center
+        return self.handles_staleness and self.base.can_center
 
     def choice(self, has_topk: bool = False) -> tuple[str, str]:
         """(numerical, staleness) in force for a batch with or without the top-K; numerical

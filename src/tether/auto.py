@@ -9,14 +9,23 @@ and the run agree (docs/probe.md derives them):
                more than 5% of tokens, else cis (its cap loosens on low-confidence tokens,
                where TIS's fixed cap biases most; tis is never the better choice here).
     staleness  material: lowest token ESS of pi_theta / pi_old < 0.7 (ESS_TAU + margin).
-               Handling, DLC's: each token weighted by the capped ratio pi_theta / pi_old
-               (the objective's own ratio: ppo, gspo, vespo, ...; stale_is for one without,
-               pg), the score centered over the generator's top-K head, and the ESS re-sync
-               at 0.5 (async: with the ESS window). Only then is the engine asked for its
-               top-K. Centering is DLC's numerical correction and persists after any re-sync,
-               so while staleness is handled it stands in for the numerical cap (advice:
-               dlc, for staleness alone or both); the cap stays where centering cannot be
-               (an objective without a top-K head weight, or an engine without top-K).
+               Handling (`dlc`), DLC's: each token weighted by the capped ratio
+               pi_theta / pi_old (the objective's own ratio: ppo, gspo, vespo, ...; stale_is
+               for one without, pg), the score centered over the generator's top-K head, the
+               ESS re-sync's schedule (async: with the ESS window). Only then is the engine
+               asked for its top-K. Centering is DLC's numerical correction and persists
+               after any re-sync, so while staleness is handled it stands in for the
+               numerical cap (advice: dlc, for staleness alone or both); the cap stays where
+               centering cannot be (an objective without a top-K head weight, or an engine
+               without top-K).
+
+The re-sync itself is not switched: its trigger (one batch's ESS < ESS_TAU = 0.5, DLC's drift
+point) is armed in either choice, as dlc's is (tether.weights.policy.Switched). One step's
+ESS past the drift point is the evidence DLC acts on, and a re-sync removes the cause rather
+than trading bias for variance; it costs nothing until it trips. The token ESS is a minimum
+over a batch and flickers: under lag it dips below 0.7 on some steps and not the next, so the
+k-step streak came late or never, and with the re-sync behind it auto re-synced 0.7 times per
+race where dlc did 3.3 (E-AUTO at 6 seeds, RESULTS.md).
 
 Hysteresis. A cause switches a correction on (or to another kind) after ON_AFTER = k = 3
 consecutive steps call for it, and off after OFF_AFTER = m = 6 consecutive steps call for
@@ -35,7 +44,7 @@ whole run (tether.advice.evidence_from_rows: the mean sequence chi2, the lowest 
 tail on most steps), and the hysteresis counts those judgements.
 
 A re-sync removes staleness's evidence along with its cause: after one, the batches are
-fresh and their ESS is high until the lag builds back. So while re-syncing, a negligible
+fresh and their ESS is high until the lag builds back. So under dlc's handling, a negligible
 step counts towards switching off only when its batch is at least as many versions stale
 as the last material one was (the lag has built back and no longer matters); a fresher one
 is no evidence either way. Staleness at float rounding (no lag at all) always counts.
@@ -66,7 +75,7 @@ OFF_AFTER = 6  # m: consecutive steps calling for none before it is switched off
 
 # The choices, in the order of their codes in the metrics (auto/numerical, auto/staleness).
 NUMERICAL = ("none", "cis", "icepop", "center")
-STALENESS = ("plain", "resync")
+STALENESS = ("plain", "dlc")
 
 
 @dataclass
@@ -130,7 +139,7 @@ def targets(e: Evidence | None) -> tuple[str, str, dict[str, str]]:
     if num.level == "material":
         moved = e.routing_any is not None and e.routing_any > ROUTING_SHARE
         numerical = "icepop" if e.heavy or moved else "cis"
-    staleness = "resync" if stale.level == "material" else "plain"
+    staleness = "dlc" if stale.level == "material" else "plain"
     return numerical, staleness, {"numerical": num.line, "staleness": stale.line}
 
 
@@ -184,16 +193,16 @@ class Controller:
     def _staleness_evidence(self, target: str, row: dict[str, Any],
                             e: Evidence | None) -> str | None:
         """A re-sync removes staleness's evidence with its cause until the lag builds back:
-        while re-syncing, a negligible batch fresher (in versions) than the last material one
+        under dlc's handling, a negligible batch fresher (in versions) than the last material one
         tells nothing (None). Staleness at float rounding (no lag at all) still counts."""
         versions = _versions(row)
-        if target == "resync":
+        if target == "dlc":
             self.stale_versions = versions
             return target
         fresher = (versions is not None and self.stale_versions is not None
                    and versions < self.stale_versions)
         lagging = e is not None and staleness_finding(e).level == "negligible"
-        return None if self.stale.active == "resync" and fresher and lagging else target
+        return None if self.stale.active == "dlc" and fresher and lagging else target
 
     def state_dict(self) -> dict[str, Any]:
         return {"num": asdict(self.num), "stale": asdict(self.stale),
@@ -271,7 +280,7 @@ class Base:
     @property
     def can_center(self) -> bool:
         """Whether the objective (or stale_is, which auto substitutes) has a top-K head weight."""
-        return OBJECTIVES.get(self._objective("resync")).head_weight is not None
+        return OBJECTIVES.get(self._objective("dlc")).head_weight is not None
 
     def estimator(self, numerical: str, staleness: str) -> Estimator:
         """The estimator of a choice: `numerical` in NUMERICAL ("center" only with staleness
@@ -285,7 +294,7 @@ class Base:
     def _objective(self, staleness: str) -> str:
         """The user's objective, or stale_is where staleness is handled and the objective has
         no ratio pi_theta / pi_old of its own (pg)."""
-        if staleness == "resync" and OBJECTIVES.get(self.objective).corrects == "neither":
+        if staleness == "dlc" and OBJECTIVES.get(self.objective).corrects == "neither":
             return "stale_is"
         return self.objective
 

@@ -94,9 +94,10 @@ def _check_auto(cfg: Config, estimator: Any, policy: Any) -> None:
         raise ConfigError(f"train.auto_on_after: {problem} (train.auto_window)")
     if policy.measures_ess or cfg.loop.window == "ess":
         raise ConfigError(
-            f"train.correction=auto switches the ESS re-sync (and, async, the ESS window) on "
-            f"and off itself; sync.policy={policy.spec} / loop.window={cfg.loop.window} would "
-            "keep it on: set sync.policy to every:K, bounded:K or resync:K and loop.window=fixed"
+            f"train.correction=auto arms the ESS re-sync at 0.5 itself and switches the ESS "
+            f"window (async) with DLC's handling; sync.policy={policy.spec} / "
+            f"loop.window={cfg.loop.window} would set them apart from it: set sync.policy to "
+            "every:K, bounded:K or resync:K and loop.window=fixed"
         )
     if cfg.loop.mode == "async":
         _check_async_policy(cfg.model_copy(update={"loop": cfg.loop.model_copy(

@@ -58,9 +58,10 @@ class TetherGRPOTrainer(GRPOTrainer):
     correction: "fixed" (the estimator as given) or "auto": `tether train`'s
         train.correction=auto (tether.api.Auto). `estimator` then names the objective only
         (default grpo); after each optimizer step, the mean of its micro-steps' split chooses
-        per cause: cis or icepop for a material numerical mismatch, the ESS re-sync at 0.5
-        for material staleness with centering (with generator=..., which records the top-K;
-        otherwise the numerical cap stays). Logged as auto/numerical, auto/staleness.
+        per cause: cis or icepop for a material numerical mismatch, centering for material
+        staleness (with generator=..., which records the top-K; otherwise the numerical cap
+        stays). The ESS re-sync at 0.5 is armed throughout, as dlc's. Logged as
+        auto/numerical, auto/staleness.
     dump: a path; every trained token's mu, pi_old and pi_theta are appended there in
         tether.dump's format, which `tether inspect` reads.
     """
@@ -79,7 +80,7 @@ class TetherGRPOTrainer(GRPOTrainer):
             raise ValueError(f"correction={correction!r}: valid are 'fixed' and 'auto'")
         if correction == "auto":
             if resync_tau is not None:
-                raise ValueError("correction='auto' chooses the ESS re-sync itself; leave "
+                raise ValueError("correction='auto' arms the ESS re-sync at 0.5 itself; leave "
                                  "resync_tau unset")
             estimator = estimator or "grpo"
         self.tether_estimator = estimator

@@ -2,8 +2,9 @@
 
     the trainer's estimator   the user's objective with auto's correction or centering
     the sync policy           the gate's `Switched` (the synchronizer or scheduler holds the
-                              same object): the configured one, or the ESS re-sync at 0.5
-    the async window          fixed at loop.max_staleness, or ESS-governed while re-syncing
+                              same object): the configured schedule, or the ESS re-sync's;
+                              its trigger at ESS 0.5 armed in both
+    the async window          fixed at loop.max_staleness, or ESS-governed under dlc's handling
     the engine's top-K        requested only while centering is chosen (staleness handled)
 
 Both loops: `sampling` before generating (sync), `before(batch)` before training it, and the
@@ -108,13 +109,13 @@ class Correction:
     def _apply(self) -> None:
         """The staleness choice in the policy and the async window; the top-K in new work."""
         assert self.rule is not None
-        self.policy.on = self.rule.resync
+        self.policy.on = self.rule.handles_staleness
         if self.scheduler is None:
             return
         window = self.scheduler.window
-        if window.adaptive and not self.rule.resync:
+        if window.adaptive and not self.rule.handles_staleness:
             window.size = window.ceiling  # back to the configured bound
-        window.adaptive = self.rule.resync
+        window.adaptive = self.rule.handles_staleness
         if self.requests:
             self.scheduler.topk = self.topk if self.rule.centers else 0
 
