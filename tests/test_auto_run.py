@@ -87,10 +87,9 @@ def test_auto_switches_with_the_evidence_and_resumes_exactly(warm_model_dir, tmp
 def test_auto_in_the_async_race(warm_model_dir, tmp_path, monkeypatch):
     """The asynchronous loop: the race makes staleness (generation outpaces training, by
     construction, as in tests/test_async.py), the logit noise the numerical part. auto
-    switches as the rule says on the logged figures; the ESS window, armed with the re-sync in
-    either choice, stays at eta until a trip and halves after one; a batch trains centered
-    only when it carries the top-K that new work requests once centering is chosen (one
-    admitted before trains uncentered)."""
+    switches as the rule says on the logged figures; the ESS window is fixed while staleness
+    is plain; a batch trains centered only when it carries the top-K that new work requests
+    once centering is chosen (one admitted before trains uncentered)."""
     from tether.ledger import audit
     from tether.loops import train
 
@@ -112,11 +111,8 @@ def test_auto_in_the_async_race(warm_model_dir, tmp_path, monkeypatch):
     assert logged(rows) == replayed(rows, Controller(P * 4, K, M, W))
     assert any(r["auto/staleness"] == 1 for r in rows)  # the race made staleness material
     assert any(r["auto/numerical"] == 3 for r in rows)  # and centered batches trained
-    trips = [i for i, r in enumerate(rows) if r["sync/tripped"]]
-    assert trips and all(r["async/window"] == eta for r in rows[:trips[0] + 1])
-    for i in trips[:-1] if trips[-1] == len(rows) - 1 else trips:
-        w, s = rows[i]["async/window"], rows[i]["staleness/versions/max"]
-        assert rows[i + 1]["async/window"] == max(1, int(min(w, s)) // 2)  # halved, any choice
     for r in rows:
+        if r["auto/staleness"] == 0:
+            assert r["async/window"] == eta
         if r["auto/numerical"] == 3:
             assert r["auto/topk"] > 0

@@ -12,7 +12,7 @@ and the run agree (docs/probe.md derives them):
                Handling (`dlc`), DLC's: each token weighted by the capped ratio
                pi_theta / pi_old (the objective's own ratio: ppo, gspo, vespo, ...; stale_is
                for one without, pg), the score centered over the generator's top-K head, the
-               ESS re-sync's schedule. Only then is the engine
+               ESS re-sync's schedule (async: with the ESS window). Only then is the engine
                asked for its top-K. Centering is DLC's numerical correction and persists
                after any re-sync, so while staleness is handled it stands in for the
                numerical cap (advice: dlc, for staleness alone or both); the cap stays where
@@ -20,8 +20,7 @@ and the run agree (docs/probe.md derives them):
                without top-K).
 
 The re-sync itself is not switched: its trigger (one batch's ESS < ESS_TAU = 0.5, DLC's drift
-point) is armed in either choice, as dlc's is (tether.weights.policy.Switched), and so is the
-async loop's ESS window, which moves only on a trip (tether.loops.autocorrect). One step's
+point) is armed in either choice, as dlc's is (tether.weights.policy.Switched). One step's
 ESS past the drift point is the evidence DLC acts on, and a re-sync removes the cause rather
 than trading bias for variance; it costs nothing until it trips. The token ESS is a minimum
 over a batch and flickers: under lag it dips below 0.7 on some steps and not the next, so the

@@ -94,8 +94,8 @@ def _check_auto(cfg: Config, estimator: Any, policy: Any) -> None:
         raise ConfigError(f"train.auto_on_after: {problem} (train.auto_window)")
     if policy.measures_ess or cfg.loop.window == "ess":
         raise ConfigError(
-            f"train.correction=auto arms the ESS re-sync at 0.5 itself, and (async) the ESS "
-            f"window; sync.policy={policy.spec} / "
+            f"train.correction=auto arms the ESS re-sync at 0.5 itself and switches the ESS "
+            f"window (async) with DLC's handling; sync.policy={policy.spec} / "
             f"loop.window={cfg.loop.window} would set them apart from it: set sync.policy to "
             "every:K, bounded:K or resync:K and loop.window=fixed"
         )
@@ -138,7 +138,7 @@ def resolve_sync(cfg: Config) -> Config:
 
     spec = resolve_policy_spec(cfg.sync.policy, cfg.train.estimator)
     rule = cfg.loop.after_trip
-    if rule == "auto":  # train.correction=auto arms the ESS window (async)
+    if rule == "auto":  # train.correction=auto: for when it turns the ESS window on
         ess = cfg.loop.window == "ess" or (cfg.train.correction == "auto"
                                            and cfg.loop.mode == "async")
         rule = "regenerate" if ess else "window"

@@ -4,7 +4,7 @@
     the sync policy           the gate's `Switched` (the synchronizer or scheduler holds the
                               same object): the configured schedule, or the ESS re-sync's;
                               its trigger at ESS 0.5 armed in both
-    the async window          ESS-governed in either choice: it moves only on a trip
+    the async window          fixed at loop.max_staleness, or ESS-governed under dlc's handling
     the engine's top-K        requested only while centering is chosen (staleness handled)
 
 Both loops: `sampling` before generating (sync), `before(batch)` before training it, and the
@@ -58,12 +58,6 @@ class Correction:
         self.requests = cfg.rollout.logprobs_topk is None
         self.used, self.batch_topk = rule.codes(), 0  # what trained the last batch
         self.said: set[str] = set()
-        if scheduler is not None:
-            # The ESS window is the re-sync's companion in the async loop: it moves only on a
-            # trip (halves, then widens back a version per batch), so it is armed with the
-            # trigger in either choice. Fixed, a trip under after_trip=regenerate dropped a
-            # full 32 versions of work in flight (E-AUTO's race, RESULTS.md).
-            scheduler.window.adaptive = True
         self._apply()
 
     @property
@@ -113,10 +107,16 @@ class Correction:
         self._apply()
 
     def _apply(self) -> None:
-        """The staleness choice in the policy; the top-K in new work."""
+        """The staleness choice in the policy and the async window; the top-K in new work."""
         assert self.rule is not None
         self.policy.on = self.rule.handles_staleness
-        if self.scheduler is not None and self.requests:
+        if self.scheduler is None:
+            return
+        window = self.scheduler.window
+        if window.adaptive and not self.rule.handles_staleness:
+            window.size = window.ceiling  # back to the configured bound
+        window.adaptive = self.rule.handles_staleness
+        if self.requests:
             self.scheduler.topk = self.topk if self.rule.centers else 0
 
     def _say_once(self, key: str, line: str) -> None:
