@@ -10,10 +10,9 @@ from pathlib import Path
 import pytest
 
 from tests.auto_replay import logged, replayed
-from tether.advice import batch_of
-from tether.auto import Controller
 from tether.config import load_config
 from tether.experiments import record, summary_tables
+from tether.loops.autocorrect import rule_of
 
 RESULTS = Path(__file__).resolve().parents[1] / "results"
 RECORDS = sorted(d for d in RESULTS.iterdir() if record.is_record(d)) if RESULTS.is_dir() else []
@@ -57,6 +56,4 @@ def test_a_records_auto_choices_replay_under_todays_rule(rec):
         t = load_config(None, meta["base"] + c["overrides"])
         with gzip.open(rec / "cells" / c["name"] / "metrics.jsonl.gz", "rt") as f:
             rows = [r for r in map(json.loads, f) if "auto/numerical" in r]
-        rule = Controller(batch_of(t.model_dump()), t.train.auto_on_after,
-                          t.train.auto_off_after, t.train.auto_window, t.train.auto_pool)
-        assert logged(rows) == replayed(rows, rule), c["name"]
+        assert logged(rows) == replayed(rows, rule_of(t).controller), c["name"]

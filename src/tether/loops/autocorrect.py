@@ -31,17 +31,20 @@ from tether.weights.gate import StalenessGate
 from tether.weights.policy import Switched
 
 
+def rule_of(cfg: Any) -> Auto:
+    """The rule a train.correction=auto config runs: its objective, N and hysteresis."""
+    t = cfg.train
+    return Auto(t.estimator, batch=batch_of(cfg.model_dump()), on_after=t.auto_on_after,
+                window=t.auto_window, pool=t.auto_pool, off_after=t.auto_off_after,
+                **t.estimator_params)
+
+
 class Correction:
     """The correction in force. `of(run, gate, scheduler)`; `auto` False: the configured one."""
 
     @classmethod
     def of(cls, run: Run, gate: StalenessGate, scheduler: Scheduler | None = None) -> Correction:
-        t = run.cfg.train
-        if t.correction != "auto":
-            return cls(run, None, gate, scheduler)
-        rule = Auto(t.estimator, batch=batch_of(run.cfg.model_dump()), on_after=t.auto_on_after,
-                    window=t.auto_window, pool=t.auto_pool, off_after=t.auto_off_after,
-                    **t.estimator_params)
+        rule = rule_of(run.cfg) if run.cfg.train.correction == "auto" else None
         return cls(run, rule, gate, scheduler)
 
     def __init__(self, run: Run, rule: Auto | None, gate: StalenessGate,
